@@ -1,0 +1,379 @@
+"""The job's configuration: one typed, frozen pydantic-settings tree.
+
+Precedence, lowest to highest (stated once, here):
+
+    field defaults  <  YAML file (--config PATH)  <  JOB_SECTION__FIELD env vars  <  CLI --section.field VALUE
+
+Every section rejects unknown keys (``extra="forbid"``): pydantic's nested models would otherwise drop a
+YAML typo such as ``optim: {lrr: 0.1}`` silently. The YAML source of pydantic-settings skips a missing file
+silently too, so ``load_config`` checks ``--config`` itself. Field docstrings become ``--help`` text.
+
+This module only parses and validates. Values derived from the config and the world size (micro batch,
+accumulation steps, scaled LR) live in ``job.plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliApp,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    YamlConfigSettingsSource,
+)
+
+from pydantic_settings.sources.utils import parse_env_vars
+
+from job.exitcodes import BadInput
+
+_SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
+class RunConfig(BaseModel):
+    """What this run is called and where it writes."""
+
+    model_config = _SECTION
+    name: str = "default"
+    """Run name; the run directory is <output_dir>/<name>. Re-using a name resumes that run."""
+    output_dir: Path = Path("runs")
+    """Directory that holds run directories (checkpoints, TensorBoard events, resolved config)."""
+    seed: int = 0
+    """Base seed: model init, data order and augmentation derive from it (per rank where it matters)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_directory_name(cls, v: str) -> str:
+        if not v or "/" in v or v in (".", ".."):
+            raise ValueError(f"run.name={v!r} must be a plain directory name without '/'")
+        return v
+
+
+class DistConfig(BaseModel):
+    """Process group and launch."""
+
+    model_config = _SECTION
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend; auto picks nccl when CUDA is available, gloo otherwise."""
+    nproc_per_node: int = Field(0, ge=0)
+    """Processes per node when ddp-job launches itself; 0 = one per visible GPU (1 on CPU)."""
+    init_timeout_s: float = Field(600.0, gt=0)
+    """Collective timeout until the first step completes (rendezvous, first compile)."""
+    train_timeout_s: float = Field(300.0, gt=0)
+    """Collective timeout after the first step: a rank that stops participating fails the others within this."""
+
+
+class DataConfig(BaseModel):
+    """Training and validation data."""
+
+    model_config = _SECTION
+    source: Literal["synthetic", "imagefolder"] = "imagefolder"
+    """imagefolder: an ImageNet-layout directory (path/train, path/val); synthetic: random tensors on the device."""
+    path: Path = Path("data/shapes")
+    """ImageFolder root that holds train/ and val/ (see ddp-job make-data)."""
+    num_classes: int = Field(10, ge=2)
+    """Number of classes; must match the class folders."""
+    image_size: int = Field(32, ge=8)
+    """Train crop and val resize size in pixels."""
+    num_workers: int = Field(2, ge=0)
+    """DataLoader worker processes per rank (decode + augmentation happen there)."""
+    augment: bool = True
+    """Random resized crop + horizontal flip on the training set."""
+    synthetic_train_size: int = Field(1024, ge=1)
+    """Samples in the synthetic training set."""
+    synthetic_val_size: int = Field(256, ge=1)
+    """Samples in the synthetic validation set."""
+    prefetch_factor: int = Field(2, ge=1)
+    """Batches each worker prepares ahead."""
+    pin_memory: bool = True
+    """Page-locked host batches for asynchronous copies (CUDA only)."""
+
+
+class ModelConfig(BaseModel):
+    """The network."""
+
+    model_config = _SECTION
+    name: str = "resnet18"
+    """Any torchvision classification model name (resnet18, resnet50, mobilenet_v3_small, ...)."""
+    channels_last: bool = False
+    """NHWC memory format for model and inputs (faster convolutions with bf16/fp16 on GPUs)."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile mode."""
+    sync_bn: bool = False
+    """Convert BatchNorm to SyncBatchNorm (batch statistics over all ranks)."""
+    zero_init_residual: bool = False
+    """Zero-initialise the last BN of each residual block (ResNets; Goyal et al. 2017)."""
+
+
+class OptimConfig(BaseModel):
+    """Optimizer."""
+
+    model_config = _SECTION
+    name: Literal["sgd", "adamw"] = "sgd"
+    """Optimizer."""
+    lr: float = Field(0.1, gt=0)
+    """Peak learning rate (before scaling by global batch, see lr_scaling)."""
+    lr_scaling: Literal["none", "linear"] = "none"
+    """linear: lr x global_batch_size / lr_scaling_base (Goyal et al. 2017)."""
+    lr_scaling_base: int = Field(256, ge=1)
+    """Reference batch size of the LR scaling rule."""
+    momentum: float = Field(0.9, ge=0, lt=1)
+    """SGD momentum."""
+    nesterov: bool = False
+    """SGD Nesterov momentum."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = Field(1e-4, ge=0)
+    """Weight decay; never applied to norm and bias parameters."""
+
+
+class SchedConfig(BaseModel):
+    """Learning-rate schedule (from torch.optim.lr_scheduler)."""
+
+    model_config = _SECTION
+    name: Literal["cosine", "step", "constant"] = "cosine"
+    """Schedule after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from warmup_start_factor x lr to lr."""
+    warmup_start_factor: float = Field(0.1, gt=0, le=1)
+    """LR factor at step 0 of the warmup."""
+    min_lr_factor: float = Field(0.0, ge=0, le=1)
+    """cosine: final LR as a fraction of the peak."""
+    step_size: int = Field(30, ge=1)
+    """step: decay every step_size optimizer steps."""
+    gamma: float = Field(0.1, gt=0, le=1)
+    """step: decay factor."""
+
+
+class TrainConfig(BaseModel):
+    """The loop."""
+
+    model_config = _SECTION
+    steps: int = Field(100, ge=1)
+    """Optimizer steps to train for (the run ends at this step, also after resumes)."""
+    global_batch_size: int = Field(64, ge=1)
+    """Samples per optimizer step over all ranks = micro_batch_size x grad_accum_steps x world_size."""
+    micro_batch_size: int = Field(0, ge=0)
+    """Samples per rank per forward pass; 0 = global_batch_size / world_size (no accumulation)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32, bf16 autocast, or fp16 autocast with a GradScaler."""
+    grad_clip_norm: float = Field(0.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    """Cross-entropy label smoothing."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every N steps (0: only at the end)."""
+    max_nonfinite_skips: int = Field(10, ge=0)
+    """Skip updates with a non-finite loss or gradient norm up to this many times, then stop with an error."""
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+    """Signals that request save-and-exit (exit code 143). Remove one to leave it to another handler."""
+    inject_nan_at_steps: tuple[int, ...] = ()
+    """Testing aid: make the loss NaN at these steps (checks the non-finite skip)."""
+
+    @field_validator("stop_signals")
+    @classmethod
+    def _known_signals(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [s for s in v if s not in SIGNAL_NAMES]
+        if bad:
+            raise ValueError(f"unknown signal(s) {bad}; choose from {list(SIGNAL_NAMES)}")
+        return v
+
+
+class CkptConfig(BaseModel):
+    """Checkpoints."""
+
+    model_config = _SECTION
+    every: int = Field(0, ge=0)
+    """Save every N optimizer steps (0: only at the end and on preemption)."""
+    keep_last: int = Field(3, ge=1)
+    """Keep the newest K complete checkpoints (never deletes the only valid one)."""
+    resume: bool = True
+    """Resume from the newest valid checkpoint in the run directory."""
+    async_save: Literal["auto", "on", "off"] = "auto"
+    """Write checkpoints in a background thread after a host copy; auto = on with CUDA, off on CPU."""
+    allow_world_size_change: bool = False
+    """Allow resuming with a different world size (data position is mapped by samples seen)."""
+    allow_config_change: bool = False
+    """Allow resuming when training-relevant settings differ from the checkpoint's config."""
+
+
+class LogConfig(BaseModel):
+    """Console and TensorBoard."""
+
+    model_config = _SECTION
+    every: int = Field(10, ge=1)
+    """Log training scalars every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard events to <run_dir>/tb (rank 0 only)."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """tqdm progress bar on rank 0 (auto: only when stdout is a terminal)."""
+
+
+class JobConfig(BaseSettings):
+    """ddp-job configuration. Precedence: defaults < --config YAML < JOB_SECTION__FIELD env < --section.field CLI."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="JOB_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        use_attribute_docstrings=True,
+        cli_kebab_case=True,
+        cli_implicit_flags=False,
+        cli_exit_on_error=False,
+        cli_avoid_json=True,
+        nested_model_default_partial_update=False,
+    )
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity."""
+    dist: DistConfig = Field(default_factory=DistConfig)
+    """Distributed setup."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Data."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer."""
+    sched: SchedConfig = Field(default_factory=SchedConfig)
+    """LR schedule."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Training loop."""
+    ckpt: CkptConfig = Field(default_factory=CkptConfig)
+    """Checkpointing."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.output_dir / self.run.name
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first. CliApp puts the CLI above all of these.
+        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """The env source, reading a given mapping instead of os.environ (tests and launchers pass their own)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+
+def _split_config_arg(argv: Sequence[str]) -> tuple[Path | None, list[str]]:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=Path, default=None)
+    known, rest = pre.parse_known_args(list(argv))
+    return known.config, rest
+
+
+def _check_yaml(path: Path) -> None:
+    if not path.is_file():
+        raise BadInput(f"--config {path}: no such file. Fix: pass an existing YAML file, e.g. configs/cpu-smoke.yaml.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise BadInput(f"--config {path}: not valid YAML ({e}). Fix the file's syntax.") from None
+    if data is not None and not isinstance(data, dict):
+        raise BadInput(f"--config {path}: top level must be a mapping of sections (run:, data:, ...), got {type(data).__name__}.")
+    for section in data or {}:
+        if section not in JobConfig.model_fields:
+            raise BadInput(
+                f"--config {path}: unknown section {section!r}. Valid sections: {', '.join(JobConfig.model_fields)}."
+            )
+
+
+def _describe_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        section = str(e["loc"][0]) if e["loc"] else ""
+        if e["type"] == "extra_forbidden":
+            model = JobConfig.model_fields.get(section)
+            valid = ""
+            if model is not None and len(e["loc"]) > 1 and isinstance(model.annotation, type):
+                valid = f" Valid fields of {section}: {', '.join(model.annotation.model_fields)}."
+            elif len(e["loc"]) == 1:
+                valid = f" Valid sections: {', '.join(JobConfig.model_fields)}."
+            lines.append(f"unknown setting {loc} = {e.get('input')!r}.{valid} Fix: remove it or correct the spelling.")
+        else:
+            flag = "--" + loc.replace("_", "-")
+            env = "JOB_" + loc.upper().replace(".", "__")
+            lines.append(
+                f"bad value for {loc}: {e.get('input')!r}: {e['msg']}. "
+                f"Fix: set a valid value in the YAML file, {env} or {flag}."
+            )
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> JobConfig:
+    """Resolve the config from ``--config`` YAML, ``JOB_*`` env vars and ``--section.field`` flags.
+
+    Args:
+        argv: command-line arguments after the subcommand (may hold ``--config PATH``).
+        environ: environment to read ``JOB_*`` from; defaults to ``os.environ``.
+
+    Raises:
+        BadInput: a missing/invalid YAML file, an unknown key at any level, or a bad value. The message
+            names the setting and the value.
+    """
+    config_path, rest = _split_config_arg(argv)
+    if config_path is not None:
+        _check_yaml(config_path)
+    env = dict(os.environ if environ is None else environ)
+
+    class _Resolved(JobConfig):
+        # A per-call subclass binds the YAML file without mutating JobConfig (pydantic-settings#259).
+        model_config = SettingsConfigDict(yaml_file=config_path, cli_prog_name="ddp-job train")
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return init_settings, _MappingEnvSource(settings_cls, env), YamlConfigSettingsSource(settings_cls)
+
+    try:
+        resolved = CliApp.run(_Resolved, cli_args=rest)
+    except ValidationError as e:
+        raise BadInput(_describe_validation_error(e)) from None
+    except SettingsError as e:
+        raise BadInput(f"bad command line or JOB_* variable: {e}. Run `ddp-job train --help` for all settings.") from None
+    # Return the plain JobConfig type so pickling/equality never depend on the per-call subclass.
+    return JobConfig.model_construct(**{name: getattr(resolved, name) for name in JobConfig.model_fields})
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
+    return cfg.model_dump(mode="json")
+
+
+def dump_config(cfg: JobConfig) -> str:
+    """The resolved config as YAML (what ``ddp-job config show`` prints and the run directory keeps)."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
