@@ -1,0 +1,402 @@
+"""Training and validation data: an ImageFolder (or synthetic tensors), sharded over ranks, resumable.
+
+Sample order (`ResumableSampler`). For epoch ``e`` the global order is ``perm_e = randperm(N)`` from a
+generator seeded with ``(seed, e)`` only; it does not depend on the world size. With ``W`` ranks, micro
+batch ``m`` and ``A`` gradient-accumulation micro-steps per optimizer step, a "row" is ``W*m`` samples
+and::
+
+    rank r, micro-batch k of the epoch  = perm_e[k*W*m + r*m : k*W*m + (r+1)*m]
+    optimizer step s of the epoch       = perm_e[s*A*W*m : (s+1)*A*W*m]   (its A micro-steps in order)
+
+so one optimizer step always sees the same samples whatever the split between ranks and accumulation
+(1 rank x micro 2m, 2 ranks x micro m, or 1 rank x 2 micro-steps of m all see perm_e[0:2m] first).
+Unlike torch's DistributedSampler (interleaved stride, padding), ranks take contiguous slices of each
+row and the tail that does not fill a whole optimizer step is dropped (``batches_per_epoch`` micro-batches
+per rank, a multiple of ``A``), so an optimizer step never straddles two epochs.
+``set_position(epoch, start_batch)`` starts the next iteration at micro-batch ``start_batch``: the
+remaining batches are exactly those an uninterrupted run would still see. The position is world-size
+independent as "samples consumed in the epoch" (``start_batch * W * m``), which is how a resume with a
+different world size maps it (`ResumableSampler.start_batch_for`).
+
+Augmentation randomness. The sampler yields ``(epoch, index)`` pairs; the dataset seeds a forked CPU RNG
+from ``(seed, epoch, index)`` for each sample's random crop/flip. Results therefore do not depend on
+``num_workers``, persistent workers, worker seeds or prefetching, and the DataLoader RNG need not be
+checkpointed. Each loader also has its own ``torch.Generator``: DataLoader draws a worker base seed on
+every ``iter()``, which would otherwise advance the main process's global RNG and break exact resume.
+
+Images leave the workers as uint8 CHW tensors (4x less to pin and copy); `to_device` copies them
+non-blocking and normalises on the device. Validation is sharded into disjoint contiguous slices (no
+padding, no duplicates, sizes differ by at most one); the trainer all-reduces sums and counts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms import v2
+
+from job.config import DataConfig
+from job.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
+from job.exitcodes import BadInput
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class DataLayout:
+    """What `validate_data` found: class names and (path, label) lists, no image decoded."""
+
+    classes: tuple[str, ...]
+    train: tuple[tuple[str, int], ...]
+    val: tuple[tuple[str, int], ...]
+
+
+def _make_data_hint(cfg: DataConfig) -> str:
+    return (f"ddp-job make-data --out {cfg.path} --classes {cfg.num_classes} --per-class 100 "
+            f"--size {cfg.image_size}")
+
+
+def _list_dir(d: Path, what: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(d) as it:
+            return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError as e:
+        raise BadInput(f"data.path: cannot read {what} {d} ({e.strerror}). Fix: check the path and "
+                       "its permissions.") from None
+
+
+def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str, int]]]:
+    d = cfg.path / split
+    if not d.is_dir():
+        raise BadInput(
+            f"data.path={cfg.path}: missing {d}/ (expected the ImageFolder layout "
+            f"{cfg.path}/train/<class>/*.png and {cfg.path}/val/<class>/*.png). Fix: point --data.path at "
+            f"such a root, or generate one with `{_make_data_hint(cfg)}`.")
+    classes = [e.name for e in _list_dir(d, "split folder") if e.is_dir()]
+    if len(classes) != cfg.num_classes:
+        shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+        raise BadInput(
+            f"data.num_classes={cfg.num_classes} but {d} has {len(classes)} class folders ({shown}). "
+            f"Fix: pass --data.num-classes {len(classes)}" + (" (at least 2)" if len(classes) < 2 else "")
+            + " or point --data.path at the right dataset.")
+    samples = []
+    for label, name in enumerate(classes):
+        files = [e.path for e in _list_dir(d / name, "class folder")
+                 if e.name.lower().endswith(IMG_EXTENSIONS) and e.is_file()]
+        if not files:
+            raise BadInput(
+                f"data.path: class folder {d / name} holds no image files ({', '.join(IMG_EXTENSIONS)}). "
+                f"Fix: add images to it or remove the folder from both {cfg.path}/train and {cfg.path}/val.")
+        samples.extend((f, label) for f in files)
+    return classes, samples
+
+
+def validate_data(cfg: DataConfig) -> DataLayout | None:
+    """Cheap checks before any process group or device work: paths, class folders, counts.
+
+    Lists directories but decodes nothing. Returns None for the synthetic source (nothing to check).
+    Raises BadInput naming the setting or file, the bad value and the fix.
+    """
+    if cfg.source == "synthetic":
+        return None
+    if not cfg.path.is_dir():
+        what = "is not a directory" if cfg.path.exists() else "does not exist"
+        raise BadInput(
+            f"data.path={cfg.path} {what}. Fix: generate the demo dataset with `{_make_data_hint(cfg)}`, "
+            "pass --data.path pointing at an ImageFolder root holding train/ and val/, "
+            "or use --data.source synthetic.")
+    train_classes, train = _scan_split(cfg, "train")
+    val_classes, val = _scan_split(cfg, "val")
+    if train_classes != val_classes:
+        only_t = sorted(set(train_classes) - set(val_classes))
+        only_v = sorted(set(val_classes) - set(train_classes))
+        raise BadInput(
+            f"data.path={cfg.path}: train/ and val/ class folders differ (only in train: {only_t}, "
+            f"only in val: {only_v}). Fix: give both splits the same class folder names.")
+    return DataLayout(tuple(train_classes), tuple(train), tuple(val))
+
+
+# ---------------------------------------------------------------------------------------- dataset
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation: a hash of (seed, epoch, index), independent of workers."""
+    return int(np.random.SeedSequence([seed % 2**64, epoch, index]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def decode(path: str) -> torch.Tensor:
+    """Read and decode one image file to a uint8 RGB CHW tensor; BadInput naming the file otherwise."""
+    try:
+        return decode_image(read_file(path), mode=ImageReadMode.RGB)
+    except Exception as e:  # noqa: BLE001 - torchvision raises RuntimeError/ValueError/OSError alike
+        raise BadInput(
+            f"data: cannot read image file {path} ({type(e).__name__}: {str(e).strip()[:200]}). "
+            "Fix: delete or replace this file (it is truncated, corrupt or unreadable).") from None
+
+
+class ImageFiles(Dataset):
+    """(path, label) list -> (uint8 CHW image, label); items are keyed by (epoch, index) pairs."""
+
+    def __init__(self, samples: tuple[tuple[str, int], ...], transform: v2.Transform | None,
+                 seed: int, random: bool):
+        self.samples, self.transform, self.seed, self.random = samples, transform, seed, random
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: tuple[int, int] | int) -> tuple[torch.Tensor, int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        path, label = self.samples[index]
+        img = decode(path)
+        if self.transform is None:
+            return img, label
+        if not self.random:
+            return self.transform(img), label
+        # fork_rng: the per-sample seed must not leak into the caller's RNG (num_workers=0 runs here).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            return self.transform(img), label
+
+
+def train_transform(size: int, augment: bool) -> v2.Transform:
+    if not augment:
+        return eval_transform(size)
+    # scale >= 0.35 rather than ImageNet's 0.08: small generated images must keep their shape in view.
+    return v2.Compose([v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True),
+                       v2.RandomHorizontalFlip()])
+
+
+def eval_transform(size: int) -> v2.Transform:
+    return v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+
+
+# --------------------------------------------------------------------------------------- samplers
+class ResumableSampler(Sampler):
+    """This rank's share of each epoch, as (epoch, index) pairs; layout in the module docstring."""
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, micro_batch_size: int, seed: int,
+                 grad_accum_steps: int = 1, shuffle: bool = True):
+        if not 0 <= rank < world_size or micro_batch_size < 1 or grad_accum_steps < 1:
+            raise ValueError(f"bad sampler arguments rank={rank} world_size={world_size} "
+                             f"micro_batch_size={micro_batch_size} grad_accum_steps={grad_accum_steps}")
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.micro_batch_size, self.seed, self.accum, self.shuffle = micro_batch_size, seed, grad_accum_steps, shuffle
+        self.row = world_size * micro_batch_size  # samples per micro-step over all ranks
+        self.batches_per_epoch = num_samples // (self.row * grad_accum_steps) * grad_accum_steps
+        self.epoch, self.start_batch = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.set_position(epoch, 0)
+
+    def set_position(self, epoch: int, start_batch: int) -> None:
+        """The next iteration yields micro-batches start_batch.. of ``epoch`` (0 <= start_batch <= batches_per_epoch)."""
+        if not 0 <= start_batch <= self.batches_per_epoch:
+            raise ValueError(f"start_batch={start_batch} outside 0..{self.batches_per_epoch}")
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The global sample order of ``epoch`` (same on every rank and world size)."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        # index 2**40 is no sample: the order seed never equals an augmentation seed.
+        g = torch.Generator().manual_seed(sample_seed(self.seed, epoch, 2**40))
+        return torch.randperm(self.num_samples, generator=g)
+
+    def rank_batches(self, epoch: int) -> torch.Tensor:
+        """[batches_per_epoch, micro_batch_size] dataset indices of this rank's micro-batches."""
+        rows = self.order(epoch)[: self.batches_per_epoch * self.row].view(-1, self.world_size,
+                                                                           self.micro_batch_size)
+        return rows[:, self.rank]
+
+    def samples_seen(self, start_batch: int) -> int:
+        """Global samples consumed in an epoch before micro-batch ``start_batch`` (world-size free)."""
+        return start_batch * self.row
+
+    def start_batch_for(self, samples_seen: int) -> int:
+        """Inverse of `samples_seen` for this world size; BadInput when it is not a row boundary."""
+        if samples_seen % self.row:
+            raise BadInput(
+                f"cannot map the saved data position ({samples_seen} samples into the epoch) onto "
+                f"{self.world_size} ranks x micro batch {self.micro_batch_size}: it is not a multiple of "
+                f"{self.row}. Fix: resume with the saved world size and micro batch.")
+        return samples_seen // self.row
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        for batch in self.rank_batches(epoch)[self.start_batch:].tolist():
+            for index in batch:
+                yield epoch, index
+
+    def __len__(self) -> int:
+        return (self.batches_per_epoch - self.start_batch) * self.micro_batch_size
+
+
+def shard_range(num_samples: int, rank: int, world_size: int) -> range:
+    """Rank's contiguous validation shard: sizes differ by at most one, union is exactly 0..N-1."""
+    return range(rank * num_samples // world_size, (rank + 1) * num_samples // world_size)
+
+
+class ShardSampler(Sampler):
+    def __init__(self, num_samples: int, rank: int, world_size: int):
+        self.indices = shard_range(num_samples, rank, world_size)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((0, i) for i in self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+# ---------------------------------------------------------------------------------------- loaders
+def _worker_message(msg: str) -> str:
+    """DataLoader re-raises a worker's BadInput with its traceback text; keep the user message."""
+    marker = "BadInput: "
+    if msg.startswith("Caught BadInput") and marker in msg:
+        return msg[msg.rindex(marker) + len(marker):].strip() + " (raised in a DataLoader worker)"
+    return msg
+
+
+class CleanErrors:
+    """Wraps a DataLoader so that a worker's BadInput reaches the caller as the plain message."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Batch]:
+        try:
+            yield from self.loader
+        except BadInput as e:
+            raise BadInput(_worker_message(str(e))) from None
+
+
+class TensorBatches:
+    """Synthetic source: batches gathered from device-resident uint8 images by a sampler's indices."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, sampler: Sampler, batch_size: int):
+        self.images, self.labels, self.sampler, self.batch_size = images, labels, sampler, batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        idx = torch.tensor([i for _, i in self.sampler], dtype=torch.long, device=self.images.device)
+        for chunk in idx.split(self.batch_size):
+            yield self.images[chunk], self.labels[chunk]
+
+
+@dataclass(frozen=True)
+class ValInfo:
+    total: int  # validation samples over all ranks
+    start: int  # this rank's shard is [start, stop)
+    stop: int
+    classes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Loaders:
+    train: Any  # iterable of (uint8 images, labels) micro-batches, len() = remaining batches
+    train_sampler: ResumableSampler
+    val: Any  # iterable of this rank's validation batches (last may be short; may be empty)
+    val_info: ValInfo
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.train_sampler.batches_per_epoch
+
+    def next_position(self, epoch: int, batch: int) -> tuple[int, int]:
+        """Position to save after micro-batch ``batch`` of ``epoch`` was consumed."""
+        return (epoch, batch + 1) if batch + 1 < self.batches_per_epoch else (epoch + 1, 0)
+
+    def iter_train(self, epoch: int = 0, start_batch: int = 0) -> Iterator[tuple[int, int, Batch]]:
+        """Endless (epoch, batch_in_epoch, batch) from the given position on, across epochs."""
+        while True:
+            self.train_sampler.set_position(epoch, start_batch)
+            for k, batch in enumerate(self.train, start=start_batch):
+                yield epoch, k, batch
+            epoch, start_batch = epoch + 1, 0
+
+
+def _check_size(n: int, sampler: ResumableSampler, what: str) -> None:
+    if sampler.batches_per_epoch == 0:
+        raise BadInput(
+            f"{what}: the training set has {n} samples, fewer than one global batch "
+            f"({sampler.accum} accumulation steps x {sampler.world_size} ranks x micro batch "
+            f"{sampler.micro_batch_size} = {sampler.accum * sampler.row}). Fix: lower "
+            "--train.global-batch-size or use a larger training set.")
+
+
+def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: int, seed: int,
+                  device: torch.device, grad_accum_steps: int = 1) -> Loaders:
+    """Train and val loaders of this rank (see the module docstring for order and determinism)."""
+    if cfg.source == "synthetic":
+        return _synthetic(cfg, rank, world_size, micro_batch_size, seed, device, grad_accum_steps)
+    layout = validate_data(cfg)
+    assert layout is not None
+    sampler = ResumableSampler(len(layout.train), rank, world_size, micro_batch_size, seed, grad_accum_steps)
+    _check_size(len(layout.train), sampler, f"data.path={cfg.path}")
+    kw: dict[str, Any] = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
+    if cfg.num_workers > 0:
+        kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
+    train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
+    train = DataLoader(train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
+                       generator=torch.Generator().manual_seed(seed), **kw)
+    val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
+    val_sampler = ShardSampler(len(val_ds), rank, world_size)
+    val = DataLoader(val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False,
+                     generator=torch.Generator().manual_seed(seed), **kw)
+    r = val_sampler.indices
+    return Loaders(CleanErrors(train), sampler, CleanErrors(val), ValInfo(len(val_ds), r.start, r.stop, layout.classes))
+
+
+def _synthetic(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: int, seed: int,
+               device: torch.device, grad_accum_steps: int) -> Loaders:
+    # Generated on the CPU from the seed (identical on every rank and device type), then moved once.
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, cfg.image_size, cfg.image_size)
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
+        labels = torch.randint(0, cfg.num_classes, (n,), generator=g)
+        return images.to(device), labels.to(device)
+
+    train_x, train_y = make(cfg.synthetic_train_size)
+    val_x, val_y = make(cfg.synthetic_val_size)
+    sampler = ResumableSampler(cfg.synthetic_train_size, rank, world_size, micro_batch_size, seed, grad_accum_steps)
+    _check_size(cfg.synthetic_train_size, sampler, f"data.synthetic_train_size={cfg.synthetic_train_size}")
+    val_sampler = ShardSampler(cfg.synthetic_val_size, rank, world_size)
+    r = val_sampler.indices
+    classes = tuple(f"class_{c:02d}" for c in range(cfg.num_classes))
+    return Loaders(TensorBatches(train_x, train_y, sampler, micro_batch_size), sampler,
+                   TensorBatches(val_x, val_y, val_sampler, micro_batch_size),
+                   ValInfo(cfg.synthetic_val_size, r.start, r.stop, classes))
+
+
+@functools.lru_cache(maxsize=8)
+def _norm_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1) * 255.0
+    inv_std = 1.0 / (torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255.0)
+    return mean.to(device), inv_std.to(device)
+
+
+def to_device(batch: Batch, device: torch.device, channels_last: bool = False) -> Batch:
+    """uint8 images -> normalised float32 on ``device`` (non-blocking copies; pinned on CUDA)."""
+    images, labels = batch
+    images = images.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
+    if channels_last:  # on the uint8 tensor: a quarter of the bytes to reorder
+        images = images.contiguous(memory_format=torch.channels_last)
+    mean, inv_std = _norm_constants(device)
+    return images.float().sub_(mean).mul_(inv_std), labels
