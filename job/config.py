@@ -112,7 +112,10 @@ class ModelConfig(BaseModel):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """torch.compile mode."""
     sync_bn: bool = False
-    """Convert BatchNorm to SyncBatchNorm (batch statistics over all ranks)."""
+    """Convert BatchNorm to SyncBatchNorm (batch statistics over all ranks; CUDA only)."""
+    norm: Literal["batch", "group"] = "batch"
+    """Normalisation layers of ResNet-family models: batch, or group (GroupNorm, 32 groups: no batch statistics,
+    so results do not depend on how the batch is split over ranks)."""
     zero_init_residual: bool = False
     """Zero-initialise the last BN of each residual block (ResNets; Goyal et al. 2017)."""
 

@@ -1,0 +1,240 @@
+"""Durable checkpoints: complete, verifiable, never code.
+
+Format (chosen over torch.distributed.checkpoint because plain DDP replicates the whole state on every
+rank, so one rank-0 file is complete and easy to inspect):
+
+    run_dir/step-0000120/
+        state.pt        model (unwrapped), optimizer, scheduler, scaler, trainer state, RNG of every rank
+        manifest.json   written LAST: sizes + sha256 of every file, step, world size, resolved config
+
+A save goes to ``step-0000120.tmp-<pid>-<n>/``; every file is fsynced, then the manifest, then the
+directory is renamed and the parent fsynced. A directory counts as a checkpoint only if its name is final
+AND its manifest verifies, so a crash, a full disk or a second signal mid-save leaves at worst a ``.tmp``
+directory that is ignored and cleaned up later. "Latest" is found by scanning, never by a pointer file.
+Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code.
+
+Async saving: ``save()`` copies state to host memory on the caller's thread (the only blocking part),
+then a background thread serialises and writes. At most one save is in flight; ``wait()`` joins it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("job")
+
+STEP_DIR = re.compile(r"^step-(\d{7,})$")
+STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save failed (e.g. ENOSPC). Earlier checkpoints are untouched."""
+
+
+@dataclass(frozen=True)
+class Found:
+    step: int
+    path: Path
+    manifest: dict[str, Any]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_host(obj: Any) -> Any:
+    """Deep copy with every tensor moved to (unshared) CPU memory, so training can mutate the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def verify(path: Path) -> tuple[bool, str, dict[str, Any]]:
+    """(ok, reason, manifest). Checks the manifest exists and every listed file has its size and sha256."""
+    mpath = path / MANIFEST
+    try:
+        manifest = json.loads(mpath.read_text())
+    except FileNotFoundError:
+        return False, f"{mpath} is missing (save did not complete)", {}
+    except (OSError, ValueError) as e:
+        return False, f"{mpath} is unreadable: {e}", {}
+    for name, meta in manifest.get("files", {}).items():
+        f = path / name
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            return False, f"{f} is missing", manifest
+        if size != meta["size"]:
+            return False, f"{f} has {size} bytes, manifest says {meta['size']} (truncated?)", manifest
+        if _sha256(f) != meta["sha256"]:
+            return False, f"{f} does not match its sha256 (corrupted)", manifest
+    return True, "", manifest
+
+
+def scan(run_dir: Path) -> list[tuple[int, Path]]:
+    """Final-named step directories, newest first (validity not checked)."""
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def find_latest(run_dir: Path) -> Found | None:
+    """The newest checkpoint that verifies; newer broken ones are skipped with a warning naming the file."""
+    for step, path in scan(run_dir):
+        ok, reason, manifest = verify(path)
+        if ok:
+            return Found(step, path, manifest)
+        log.warning("skipping checkpoint %s: %s", path, reason)
+    return None
+
+
+def load_state(found: Found) -> dict[str, Any]:
+    return torch.load(found.path / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    final = run_dir / step_dir_name(step)
+    tmp = run_dir / f"{final.name}.tmp-{os.getpid()}-{threading.get_ident() % 10000}"
+    try:
+        tmp.mkdir(parents=True)
+        state_path = tmp / STATE_FILE
+        with state_path.open("wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest = dict(meta, step=step, files={STATE_FILE: {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}})
+        mpath = tmp / MANIFEST
+        with mpath.open("w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            # Same step saved before (e.g. preempted right after a periodic save): keep the one on disk.
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final
+        os.rename(tmp, final)
+        _fsync_dir(run_dir)
+        return final
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
+        need = sum(t.numel() * t.element_size() for t in _tensors(state))
+        raise CheckpointWriteError(
+            f"writing checkpoint {final} failed: {e.strerror or e}. It needs about {need / 2**20:.1f} MiB; "
+            f"{free / 2**20:.1f} MiB are free on that filesystem. Earlier checkpoints are intact. "
+            f"Fix: free space, lower ckpt.keep_last, or point run.output_dir elsewhere."
+        ) from e
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+class CheckpointManager:
+    """Saves (rank 0 only), prunes to the newest ``keep_last`` valid checkpoints, finds the latest."""
+
+    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, is_main: bool) -> None:
+        self.run_dir = run_dir
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.is_main = is_main
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_saved_step: int | None = None
+
+    def clean_stale_tmp(self) -> None:
+        """Remove torn saves left by a crash (never valid, never loaded)."""
+        if self.is_main and self.run_dir.is_dir():
+            for p in self.run_dir.glob("step-*.tmp-*"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, step: int, state_fn: Callable[[], dict[str, Any]], meta: dict[str, Any]) -> None:
+        """Snapshot ``state_fn()`` to host memory now; write now (sync) or in the background (async).
+
+        ``state_fn`` must be called on every rank by the caller beforehand if it involves collectives;
+        here it is only evaluated on rank 0.
+        """
+        self.wait()  # at most one save in flight; also surfaces a background failure
+        if not self.is_main:
+            return
+        state = to_host(state_fn())
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write_and_prune, args=(step, state, meta), name="ckpt-writer", daemon=False)
+            self._thread.start()
+        else:
+            self._write_and_prune(step, state, meta)
+            self._raise_pending()
+
+    def _write_and_prune(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        try:
+            path = _write_checkpoint(self.run_dir, step, state, meta)
+            self.last_saved_step = step
+            log.info("saved checkpoint %s", path)
+            self.prune()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by wait()
+            self._error = e
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is on disk; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_pending()
+
+    def prune(self) -> None:
+        """Keep the newest ``keep_last`` checkpoints that verify; delete older ones. Broken newer ones do not
+        count towards K, so the only valid checkpoint is never deleted."""
+        valid = 0
+        for _step, path in scan(self.run_dir):
+            if valid >= self.keep_last:
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            ok, _, _ = verify(path)
+            valid += ok

@@ -1,0 +1,118 @@
+"""``ddp-job`` / ``python -m job``: subcommands. Maps errors to the documented exit codes (job.exitcodes)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_TIMEOUT, BadInput
+
+USAGE = """usage: ddp-job COMMAND [ARGS]
+
+commands:
+  train        train (as a torchrun worker, a single process, or launching one process per GPU itself)
+  launch       torchrun drop-in: ddp-job launch [torchrun options] -- [train args]; maps worker exit codes
+  make-data    write a learnable ImageFolder dataset: ddp-job make-data --out DIR --classes 10 --per-class 100
+  config show  print the resolved config as YAML: ddp-job config show [--config PATH] [--section.field VALUE]
+  submit       submit to Slurm with submitit: ddp-job submit --help
+  doctor       preflight checks: ddp-job doctor [train args]
+  bench        benchmarks: ddp-job bench NAME [--quick]
+
+Every command takes --help. Add --traceback (or JOB_TRACEBACK=1) to see tracebacks of bad-input errors.
+Exit codes: 0 ok, 1 failure, 2 bad input, 124 collective timeout, 143 preempted after saving (resume me).
+"""
+
+
+def _is_timeout(err: BaseException) -> bool:
+    text = f"{type(err).__name__} {err}".lower()
+    return "timed out" in text or "timeout" in text and "distributed" in text or type(err).__name__ == "DistBackendError" and "timeout" in text
+
+
+# Set by a launcher that already started one process per rank: never launch again underneath it.
+_LAUNCHED_MARKERS = ("TORCHELASTIC_RUN_ID", "RANK", "SLURM_STEP_ID", "PET_NNODES")
+
+
+def _self_launch_nproc(configured: int, environ: "os._Environ[str] | dict[str, str]") -> int:
+    """How many workers plain ``ddp-job train`` should start itself (1 = train in this process)."""
+    if any(k in environ for k in _LAUNCHED_MARKERS):
+        return 1
+    if configured:
+        return configured
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def _train(argv: list[str]) -> int:
+    from job.config import load_config
+
+    if "--help" not in argv and "-h" not in argv:
+        cfg = load_config(argv)
+        nproc = _self_launch_nproc(cfg.dist.nproc_per_node, os.environ)
+        if nproc > 1:
+            from job import launch
+
+            return launch.launch_main(launch.standalone_argv(nproc, argv))
+    from job.train import main as train_main
+
+    return train_main(argv)
+
+
+def _config(argv: list[str]) -> int:
+    if not argv or argv[0] != "show":
+        print("usage: ddp-job config show [--config PATH] [--section.field VALUE ...]", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from job.config import dump_config, load_config
+
+    print(dump_config(load_config(argv[1:])), end="")
+    return 0
+
+
+def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), func)(argv)
+
+    return run
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _train,
+    "config": _config,
+    "launch": _lazy("job.launch", "launch_main"),
+    "make-data": _lazy("job.datagen", "make_data_main"),
+    "submit": _lazy("job.submit", "main"),
+    "doctor": _lazy("job.doctor", "main"),
+    "bench": _lazy("benchmarks", "main"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show_tb = "--traceback" in argv or os.environ.get("JOB_TRACEBACK") == "1"
+    argv = [a for a in argv if a != "--traceback"]
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if argv else EXIT_BAD_INPUT
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"ddp-job: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr, end="")
+        return EXIT_BAD_INPUT
+    try:
+        return COMMANDS[command](rest)
+    except BadInput as e:
+        if show_tb:
+            traceback.print_exc()
+        print(f"ddp-job {command}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except SystemExit as e:  # argparse/CliApp --help and usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_BAD_INPUT)
+        return code
+    except Exception as e:  # noqa: BLE001 - the last line of defence maps to an exit code
+        logging.getLogger("job").error("failed: %s", e)
+        traceback.print_exc()
+        return EXIT_TIMEOUT if _is_timeout(e) else EXIT_FAILURE

@@ -1,0 +1,110 @@
+"""Process groups: the only module that initialises or destroys them.
+
+One code path for 1 and N processes: a single process still gets a (world size 1) process group on an
+in-memory store, so collectives in the trainer never need an ``if distributed`` branch.
+
+Order matters on CUDA: ``set_device(local_rank)`` before ``init_process_group`` so NCCL binds each rank
+to its own GPU instead of creating contexts on GPU 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from job.config import DistConfig
+from job.env import DistEnv
+from job.exitcodes import BadInput
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What setup() produced: the device, the backend, and a CPU (gloo) group for control messages."""
+
+    device: torch.device
+    backend: str
+    control_group: dist.ProcessGroup | None
+    """gloo group for tiny host-side agreements (stop flag, straggler stats) that must not sync the GPU stream."""
+
+
+def pick_backend(cfg: DistConfig, cuda_available: bool) -> str:
+    if cfg.backend == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if cfg.backend == "nccl" and not cuda_available:
+        raise BadInput("dist.backend='nccl' but no CUDA device is visible. Fix: use --dist.backend gloo (or auto) on CPU.")
+    return cfg.backend
+
+
+def pick_device(env: DistEnv, backend: str) -> torch.device:
+    if backend != "nccl" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if env.local_rank < count:
+        return torch.device("cuda", env.local_rank)
+    if count == 1:
+        # The launcher gave each task exactly one GPU (CUDA_VISIBLE_DEVICES per task: submitit's default,
+        # pyxis, Kubernetes device plugin with one GPU per container).
+        return torch.device("cuda", 0)
+    raise BadInput(
+        f"LOCAL_RANK={env.local_rank} but only {count} CUDA devices are visible. "
+        f"Fix: start at most {count} processes per node (--dist.nproc-per-node / --nproc-per-node)."
+    )
+
+
+def setup(env: DistEnv, cfg: DistConfig) -> Runtime:
+    """Bind the device and initialise the default process group with the init timeout."""
+    backend = pick_backend(cfg, torch.cuda.is_available())
+    device = pick_device(env, backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
+    if env.launcher in ("torchrun", "env"):
+        # torchrun workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE); env:// knows how.
+        dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device if device.type == "cuda" else None)
+    elif env.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout
+        )
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    return Runtime(device=device, backend=backend, control_group=control)
+
+
+def set_train_timeout(rt: Runtime, seconds: float) -> None:
+    """Shorten the collective timeout once the first step is done (rendezvous/compile are over), so a rank
+    that stops participating fails the others quickly instead of after the long init timeout."""
+    timeout = datetime.timedelta(seconds=seconds)
+    dist.distributed_c10d._set_pg_timeout(timeout)  # noqa: SLF001 - public API has no setter (torchtitan does the same)
+    if rt.control_group is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout, rt.control_group)  # noqa: SLF001
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce_max_flag(flag: bool, rt: Runtime) -> bool:
+    """True on every rank if it was True on any rank. Runs on the CPU control group (no GPU sync)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.control_group)
+    return bool(t.item())
+
+
+def barrier(rt: Runtime) -> None:
+    dist.barrier(group=rt.control_group)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

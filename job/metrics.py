@@ -1,0 +1,127 @@
+"""Console and TensorBoard logging.
+
+Rank 0 writes TensorBoard events; every other rank gets a null writer, so call sites never check the
+rank (torchtitan's pattern). Console lines carry a ``[rank r/w]`` prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("job")
+
+
+def setup_console(rank: int, world_size: int) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}/{world_size}] %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("job")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
+class NullWriter:
+    """What non-zero ranks (and disabled TensorBoard) get."""
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        pass
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        pass
+
+    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardWriter(NullWriter):
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(log_dir), max_queue=1000)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self._w.add_scalar(k, v, step)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        self._w.add_text(tag, text, step)
+
+    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+        # run_name="." keeps the hparams event in the same directory as the scalars.
+        self._w.add_hparams(hparams, metrics, run_name=".")
+
+    def flush(self) -> None:
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+def build_writer(enabled: bool, is_main: bool, run_dir: Path) -> NullWriter:
+    return TensorBoardWriter(run_dir / "tb") if enabled and is_main else NullWriter()
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    except ImportError:
+        return 0.0
+
+
+class StepTimer:
+    """Accumulates wall time per optimizer step and the part spent waiting for data."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.total_s = 0.0
+        self.data_s = 0.0
+        self._t0 = time.perf_counter()
+
+    def start_step(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def add_data_wait(self, seconds: float) -> None:
+        self.data_s += seconds
+
+    def end_step(self) -> None:
+        self.total_s += time.perf_counter() - self._t0
+        self.steps += 1
+
+    def summary(self, global_batch_size: int) -> dict[str, float]:
+        steps = max(self.steps, 1)
+        step_s = self.total_s / steps
+        return {
+            "perf/step_time_s": step_s,
+            "perf/samples_per_s": global_batch_size / step_s if step_s > 0 else 0.0,
+            "perf/data_wait_frac": self.data_s / self.total_s if self.total_s > 0 else 0.0,
+        }

@@ -1,0 +1,42 @@
+"""Build a torchvision classification model by name. No devices, no DDP here: train.py wraps it."""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+from job.config import ModelConfig
+from job.exitcodes import BadInput
+
+
+def available_models() -> list[str]:
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
+    """A randomly initialised torchvision classifier (weights are never downloaded).
+
+    Raises:
+        BadInput: unknown model name (the message lists close matches).
+    """
+    names = available_models()
+    if cfg.name not in names:
+        close = [n for n in names if cfg.name.split("_")[0][:4] in n][:8]
+        raise BadInput(
+            f"model.name={cfg.name!r} is not a torchvision classification model. "
+            f"Fix: pick one of e.g. {close or names[:8]} (full list: torchvision.models.list_models())."
+        )
+    kwargs: dict[str, object] = {"weights": None, "num_classes": num_classes}
+    if cfg.zero_init_residual and cfg.name.startswith(("resnet", "resnext", "wide_resnet")):
+        kwargs["zero_init_residual"] = True
+    if cfg.norm == "group":
+        if not cfg.name.startswith(("resnet", "resnext", "wide_resnet")):
+            raise BadInput(f"model.norm='group' is supported for ResNet-family models, not model.name={cfg.name!r}. Fix: use model.norm=batch.")
+        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(min(32, channels), channels)
+    model = torchvision.models.get_model(cfg.name, **kwargs)
+    if cfg.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model

@@ -1,0 +1,319 @@
+"""The training job, top to bottom as the data flows:
+
+config -> environment/rendezvous -> data -> model -> optimizer -> loop -> checkpoint -> logging.
+
+``main(argv)`` is what ``ddp-job train`` and ``python -m job train`` run, as a torchrun worker or a
+single plain process. Everything that can be wrong with the input is checked before any process group
+or device work, and before anything is written to the run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from job import checkpoint as ckpt
+from job import distributed, metrics
+from job.config import JobConfig, config_to_dict, dump_config, load_config
+from job.data import build_loaders, to_device, validate_data
+from job.env import DistEnv, detect_env
+from job.exitcodes import EXIT_OK, EXIT_PREEMPTED, BadInput
+from job.model import build_model
+from job.optim import build_optimizer, build_scheduler
+from job.plan import Plan, make_plan
+from job.preempt import StopRequest
+from job.resume import check_resumable, rng_state, set_rng_state
+
+log = logging.getLogger("job")
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainState:
+    """What the loop advances; saved in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_batches_in_epoch: int = 0
+    """Micro-batches this rank consumed in ``epoch``: resume continues at exactly the next sample."""
+    samples_seen: int = 0
+    nonfinite_skips: int = 0
+
+
+def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
+    """Every check that needs no process group, device or write: bad input fails here with exit 2."""
+    plan = make_plan(cfg, env.world_size)
+    if cfg.model.sync_bn and not torch.cuda.is_available():
+        raise BadInput("model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel). Fix: --model.sync-bn false, or --model.norm group.")
+    if cfg.train.precision == "fp16" and not torch.cuda.is_available():
+        raise BadInput("train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported). Fix: use bf16 or fp32 on CPU.")
+    validate_data(cfg.data)
+    run_dir = cfg.run_dir
+    existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
+    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        raise BadInput(
+            f"run directory {run_dir} cannot be created or written ({existing} is not a writable directory). "
+            f"Fix: set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory."
+        )
+    return plan
+
+
+def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    # --- config ---
+    cfg = load_config(argv, environ)
+    # --- environment / rendezvous ---
+    env = detect_env(environ)
+    metrics.setup_console(env.rank, env.world_size)
+    plan = preflight(cfg, env)
+    rt = distributed.setup(env, cfg.dist)
+    try:
+        log.info(env.describe(rt.backend))
+        if rt.device.type == "cpu" and cfg.dist.backend == "auto":
+            log.info("no GPU visible: training on CPU with gloo") if env.is_main else None
+        return run(cfg, env, plan, rt)
+    finally:
+        distributed.teardown()
+
+
+def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> int:
+    run_dir = cfg.run_dir
+    device = rt.device
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        log.info("plan: %s", plan.describe())
+    stop = StopRequest(run_dir)
+    if env.is_main:
+        stop.clear_stale_file()
+    distributed.barrier(rt)
+    stop.install(cfg.train.stop_signals)
+
+    # --- data ---
+    distributed.seed_all(cfg.run.seed)
+    loaders = build_loaders(cfg.data, env.rank, env.world_size, plan.micro_batch_size, cfg.run.seed, device)
+
+    # --- model ---
+    torch.manual_seed(cfg.run.seed)  # identical init everywhere (DDP also broadcasts rank 0's weights)
+    raw_model = build_model(cfg.model, cfg.data.num_classes).to(device)
+    model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+    train_model: nn.Module = torch.compile(model, mode=cfg.model.compile_mode) if cfg.model.compile else model
+
+    # --- optimizer ---
+    optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device)
+    scheduler = build_scheduler(optimizer, cfg.sched, plan.total_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+
+    # --- checkpoint: resume ---
+    async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and device.type == "cuda")
+    manager = ckpt.CheckpointManager(run_dir, cfg.ckpt.keep_last, async_save, env.is_main)
+    manager.clean_stale_tmp()
+    state = TrainState()
+    saved_step = [-1]  # decided identically on every rank (save() runs a collective)
+    found = ckpt.find_latest(run_dir) if cfg.ckpt.resume else None
+    if found is not None:
+        check_resumable(found.manifest, cfg, env.world_size)
+        saved = ckpt.load_state(found)
+        raw_model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scaler.load_state_dict(saved["scaler"])
+        state = TrainState(**saved["trainer"])
+        if saved["trainer_plan"]["total_steps"] == plan.total_steps:
+            scheduler.load_state_dict(saved["scheduler"])
+        else:  # a new horizon (e.g. --train.steps raised): replay the schedule for it
+            for _ in range(state.step):
+                scheduler.step()
+        if saved["world_size"] == env.world_size:
+            set_rng_state(saved["rng"][env.rank])
+        saved_step[0] = found.step
+        log.info("resumed from %s (step %d, epoch %d)", found.path, state.step, state.epoch)
+    del found
+
+    # --- logging ---
+    writer = metrics.build_writer(cfg.log.tensorboard, env.is_main, run_dir)
+    writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
+
+    def save(step: int) -> None:
+        saved_step[0] = step
+        rngs: list[Any] = [None] * env.world_size
+        dist.all_gather_object(rngs, rng_state(device), group=rt.control_group)
+        meta = {"world_size": env.world_size, "config": config_to_dict(cfg), "torch": torch.__version__}
+        manager.save(step, lambda: {
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "trainer": asdict(state),
+            "trainer_plan": asdict(plan),
+            "world_size": env.world_size,
+            "rng": rngs,
+        }, meta)
+
+    # --- loop ---
+    batches = _batches(loaders, state)
+    autocast = _autocast(cfg.train.precision, device)
+    timer = metrics.StepTimer()
+    loss_sum = torch.zeros((), device=device)
+    first_step_done = False
+    exit_code = EXIT_OK
+    progress = _progress(cfg, env, state.step, plan.total_steps)
+    while state.step < plan.total_steps:
+        timer.start_step()
+        model.train()
+        step_loss = torch.zeros((), device=device)
+        for micro in range(plan.grad_accum_steps):
+            t0 = time.perf_counter()
+            images, labels = to_device(next(batches), device, cfg.model.channels_last)
+            timer.add_data_wait(time.perf_counter() - t0)
+            # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
+            sync = contextlib.nullcontext() if micro == plan.grad_accum_steps - 1 else model.no_sync()
+            with sync:
+                with autocast:
+                    loss = criterion(train_model(images), labels) / plan.grad_accum_steps
+                if state.step + 1 in cfg.train.inject_nan_at_steps:
+                    loss = loss * float("nan")
+                scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        scaler.unscale_(optimizer)
+        max_norm = cfg.train.grad_clip_norm if cfg.train.grad_clip_norm > 0 else math.inf
+        grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm, foreach=True)
+        # One host sync per step: every rank holds the same all-reduced gradients, so all decide alike.
+        finite = bool(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+        if finite or scaler.is_enabled():
+            scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
+        else:
+            state.nonfinite_skips += 1
+            log.warning("step %d: non-finite loss or gradient norm; update skipped (%d/%d)",
+                        state.step + 1, state.nonfinite_skips, cfg.train.max_nonfinite_skips)
+            if state.nonfinite_skips > cfg.train.max_nonfinite_skips:
+                raise NonFiniteError(
+                    f"step {state.step + 1}: more than train.max_nonfinite_skips={cfg.train.max_nonfinite_skips} "
+                    f"updates skipped for non-finite loss/gradients. Fix: lower optim.lr, enable train.grad_clip_norm, "
+                    f"or check the data. The newest checkpoint holds only finite values."
+                )
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        state.step += 1
+        state.samples_seen += plan.global_batch_size
+        timer.end_step()
+        if finite:
+            loss_sum += step_loss
+        if not first_step_done:
+            distributed.set_train_timeout(rt, cfg.dist.train_timeout_s)
+            first_step_done = True
+        progress.update(1) if progress else None
+
+        if state.step % cfg.log.every == 0 or state.step == plan.total_steps:
+            scalars = {
+                "train/loss": loss_sum.item() / max(timer.steps, 1),
+                "train/lr": optimizer.param_groups[0]["lr"],
+                "train/grad_norm": float(grad_norm),
+                "perf/peak_memory_mb": metrics.peak_memory_mb(device),
+                **timer.summary(plan.global_batch_size),
+            }
+            writer.scalars(state.step, scalars)
+            log.info("step %d/%d loss %.4f lr %.4g %.1f samples/s data-wait %.1f%%", state.step, plan.total_steps,
+                     scalars["train/loss"], scalars["train/lr"], scalars["perf/samples_per_s"], 100 * scalars["perf/data_wait_frac"])
+            loss_sum.zero_()
+            timer.reset()
+        if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < plan.total_steps:
+            writer.scalars(state.step, evaluate(raw_model, loaders.val, device, cfg, autocast))
+        # --- checkpoint / preemption, at the step boundary, the same step on every rank ---
+        if distributed.all_reduce_max_flag(stop.local(), rt):
+            log.info("stop requested (%s): saving at step %d and exiting %d", stop.reason(), state.step, EXIT_PREEMPTED)
+            save(state.step)
+            exit_code = EXIT_PREEMPTED
+            break
+        if cfg.ckpt.every and state.step % cfg.ckpt.every == 0 and state.step < plan.total_steps:
+            save(state.step)
+
+    if progress:
+        progress.close()
+    if exit_code == EXIT_OK:
+        results = evaluate(raw_model, loaders.val, device, cfg, autocast)
+        writer.scalars(state.step, results)
+        if saved_step[0] != state.step:
+            save(state.step)
+        writer.hparams(metrics.flatten(config_to_dict(cfg)), {"hparam/" + k: v for k, v in results.items()})
+        if env.is_main:
+            print(f"FINAL step={state.step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
+                  f"val_loss={results['val/loss']:.4f} run_dir={run_dir} tensorboard={run_dir / 'tb'}", flush=True)
+    manager.wait()
+    writer.close()
+    stop.restore()
+    return exit_code
+
+
+def _batches(loaders: Any, state: TrainState) -> Iterator[Any]:
+    """Endless micro-batches for this rank, advancing ``state.epoch``/``micro_batches_in_epoch`` as consumed."""
+    sampler = loaders.train_sampler
+    while True:
+        sampler.set_position(state.epoch, state.micro_batches_in_epoch)
+        for batch in loaders.train:
+            state.micro_batches_in_epoch += 1
+            yield batch
+        state.epoch += 1
+        state.micro_batches_in_epoch = 0
+
+
+def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _progress(cfg: JobConfig, env: DistEnv, start: int, total: int) -> Any:
+    import sys
+
+    enabled = cfg.log.progress == "on" or (cfg.log.progress == "auto" and sys.stdout.isatty())
+    if not (enabled and env.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Any, device: torch.device, cfg: JobConfig, autocast: Any) -> dict[str, float]:
+    """Exact over all ranks: each rank holds a disjoint shard; sums and counts are all-reduced, never means.
+
+    Runs the unwrapped model: shards may differ in length, and DDP's forward would broadcast buffers, a
+    collective every rank must join the same number of times.
+    """
+    was_training = model.training
+    model.eval()
+    k = min(5, cfg.data.num_classes)
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss_sum, top1, topk, count
+    criterion = nn.CrossEntropyLoss(reduction="sum")
+    for batch in loader:
+        images, labels = to_device(batch, device, cfg.model.channels_last)
+        with autocast:
+            logits = model(images)
+        logits = logits.float()
+        topk = logits.topk(k, dim=1).indices
+        totals[0] += criterion(logits, labels).double()
+        totals[1] += (topk[:, 0] == labels).sum()
+        totals[2] += (topk == labels[:, None]).any(dim=1).sum()
+        totals[3] += labels.numel()
+    dist.all_reduce(totals)
+    loss_sum, top1, topk_hits, count = totals.tolist()
+    model.train(was_training)
+    count = max(count, 1.0)
+    return {"val/loss": loss_sum / count, "val/top1": top1 / count, "val/top5": topk_hits / count, "val/count": count}
