@@ -10,6 +10,7 @@ to its own GPU instead of creating contexts on GPU 0.
 from __future__ import annotations
 
 import datetime
+import os
 import random
 from dataclasses import dataclass
 
@@ -61,6 +62,9 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
 def setup(env: DistEnv, cfg: DistConfig) -> Runtime:
     """Bind the device and initialise the default process group with the init timeout."""
     backend = pick_backend(cfg, torch.cuda.is_available())
+    if "OMP_NUM_THREADS" not in os.environ:
+        # N processes on one CPU node each defaulting to all cores oversubscribe it several times over.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     device = pick_device(env, backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -83,9 +87,9 @@ def set_train_timeout(rt: Runtime, seconds: float) -> None:
     """Shorten the collective timeout once the first step is done (rendezvous/compile are over), so a rank
     that stops participating fails the others quickly instead of after the long init timeout."""
     timeout = datetime.timedelta(seconds=seconds)
-    dist.distributed_c10d._set_pg_timeout(timeout)  # noqa: SLF001 - public API has no setter (torchtitan does the same)
+    dist.set_timeout(timeout)
     if rt.control_group is not None:
-        dist.distributed_c10d._set_pg_timeout(timeout, rt.control_group)  # noqa: SLF001
+        dist.set_timeout(timeout, rt.control_group)
 
 
 def seed_all(seed: int) -> None:
