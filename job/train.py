@@ -82,7 +82,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     plan = preflight(cfg, env)
     rt = distributed.setup(env, cfg.dist)
     try:
-        log.info(env.describe(rt.backend))
+        log.info("%s pid=%d", env.describe(rt.backend), os.getpid())
         if rt.device.type == "cpu" and cfg.dist.backend == "auto":
             log.info("no GPU visible: training on CPU with gloo") if env.is_main else None
         return run(cfg, env, plan, rt)
@@ -253,7 +253,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
         writer.hparams(metrics.flatten(config_to_dict(cfg)), {"hparam/" + k: v for k, v in results.items()})
         if env.is_main:
             print(f"FINAL step={state.step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
-                  f"val_loss={results['val/loss']:.4f} run_dir={run_dir} tensorboard={run_dir / 'tb'}", flush=True)
+                  f"val_loss={results['val/loss']:.4f} val_count={int(results['val/count'])} run_dir={run_dir} tensorboard={run_dir / 'tb'}", flush=True)
     manager.wait()
     writer.close()
     stop.restore()
