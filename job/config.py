@@ -224,6 +224,40 @@ class LogConfig(BaseModel):
     """tqdm progress bar on rank 0 (auto: only when stdout is a terminal)."""
 
 
+class DoctorConfig(BaseModel):
+    """Preflight checks: `ddp-job doctor`, and a quick phase at the start of train (see docs/doctor.md)."""
+
+    model_config = _SECTION
+    enabled: bool = True
+    """train: run the quick checks (topology, versions, rendezvous, all-reduce correctness, /dev/shm, storage) first."""
+    rendezvous_timeout_s: float = Field(60.0, gt=0)
+    """Retry resolving MASTER_ADDR and connecting to MASTER_PORT this long (pods start before their DNS names exist)."""
+    comm_sizes_kb: tuple[int, ...] = (4, 64, 1024, 8192)
+    """ddp-job doctor: all-reduce message sizes (KiB) timed for algorithm/bus bandwidth."""
+    comm_iters: int = Field(5, ge=1)
+    """ddp-job doctor: timed all-reduce iterations per size (after one warm-up)."""
+
+
+class ObserveConfig(BaseModel):
+    """Training observability: straggler statistics, throughput/MFU, memory, profiler window (job/observe.py)."""
+
+    model_config = _SECTION
+    every: int = Field(0, ge=0)
+    """Gather per-rank step times/memory every N steps (0: every log.every steps)."""
+    peak_tflops: float = Field(0.0, ge=0)
+    """Peak dense TFLOP/s of one device for MFU; 0: looked up for known GPUs, no MFU on CPU."""
+    profile_start: int = Field(0, ge=0)
+    """Profile the steps after this many completed steps with torch.profiler (0: off); traces in <run_dir>/tb."""
+    profile_steps: int = Field(3, ge=1)
+    """Number of steps in the profiler window."""
+    debug_delay_s: float = Field(0.0, ge=0)
+    """Testing aid: sleep this long before the forward pass on debug_delay_rank (makes it a straggler)."""
+    debug_delay_rank: int = Field(-1, ge=-1)
+    """Testing aid: the rank that sleeps (-1: none)."""
+    debug_delay_steps: tuple[int, ...] = ()
+    """Testing aid: delay only these (1-based) steps; empty: every step."""
+
+
 class JobConfig(BaseSettings):
     """ddp-job configuration. Precedence: defaults < --config YAML < JOB_SECTION__FIELD env < --section.field CLI."""
 
@@ -257,6 +291,10 @@ class JobConfig(BaseSettings):
     """Checkpointing."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""
+    doctor: DoctorConfig = Field(default_factory=DoctorConfig)
+    """Preflight checks."""
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    """Observability."""
 
     @property
     def run_dir(self) -> Path:
