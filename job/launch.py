@@ -1,0 +1,200 @@
+"""``ddp-job launch``: torchrun with the job as its only target, and the job's exit codes.
+
+``ddp-job launch [torchrun options] [--] [train args]`` is ``torchrun [options] -m job train [train args]``
+run in this process (torch's own option parser, so every torchrun option and every ``PET_*`` variable a
+PyTorchJob pod carries work the same), except for the exit status. Plain torchrun exits 1 whatever its
+workers returned; a launcher (Slurm requeue, Kubernetes ``restartPolicy: ExitCode``) needs to know
+"preempted after saving: restart me" (143) from "bad input: do not retry" (2). See ``map_exit_codes``.
+
+This process becomes torchrun's elastic agent; it is the launcher, so it may set agent-level variables
+in its own environment (``os.environ``), which torch reads there and the workers inherit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterable, Sequence
+
+from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
+
+log = logging.getLogger("job.launch")
+
+TARGET_MODULE = "job"
+TARGET_COMMAND = "train"
+
+# Elastic restarts (--max-restarts > 0) with the c10d rendezvous break when the agents' rendezvous
+# TCPStore is shared with the workers (torch's default since 2.5): the store outlives a restart, so the
+# restarted workers read the previous round's process-group keys (gloo peer addresses, NCCL unique ids)
+# and fail to connect or hang (pytorch#135712; its fix, a new store per round, pytorch#135957, is not in
+# torch 2.14.1: DynamicRendezvousHandler.next_rendezvous still creates the shared store only once).
+# Measured here on torch 2.14.1, two agents on loopback, one worker crashing once, --max-restarts 2: see
+# tests/test_launch.py's docstring. With sharing disabled, rank 0 of each round starts a fresh store.
+AGENT_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+# Options that choose the worker command: the command is always ``python -m job train``.
+_TARGET_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
+
+
+def standalone_argv(nproc: int, train_argv: Sequence[str]) -> list[str]:
+    """``ddp-job launch`` arguments for ``ddp-job train`` starting ``nproc`` workers on this machine."""
+    return ["--standalone", "--nproc-per-node", str(nproc), "--", *train_argv]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "ddp-job launch"
+    parser.usage = "ddp-job launch [torchrun options] [--] [train args]"
+    parser.description = (
+        "torchrun [options] -m job train [train args], exiting with the job's codes: 143 if any worker "
+        "was preempted after saving, else 2 if any had bad input, else 124 on a collective timeout, else "
+        "the first failure's code. torchrun options also come from PET_* variables."
+    )
+    return parser
+
+
+def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """(torchrun options, train args). Everything after ``--`` is for train; without ``--`` the train
+    args start at the first word that is not a torchrun option or its value, as with torchrun itself."""
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    actions = parser._option_string_actions  # noqa: SLF001 - argparse's own option table
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        name = word.split("=", 1)[0]
+        action = actions.get(name) if word.startswith("-") else None
+        if action is None:
+            break
+        # Flags (check_env, store_true, help) take no value; every other torchrun option takes exactly one.
+        takes_value = action.nargs != 0 and "=" not in word
+        i += 2 if takes_value else 1
+    return argv[:i], argv[i:]
+
+
+def build_torchrun_args(argv: Sequence[str], module: str = TARGET_MODULE) -> argparse.Namespace:
+    """Parse ``ddp-job launch`` arguments into torchrun's namespace with the worker command forced."""
+    parser = _parser()
+    options, train_args = split_argv(argv, parser)
+    chosen = sorted({o.split("=", 1)[0] for o in options} & _TARGET_OPTIONS)
+    if chosen:
+        raise BadInput(
+            f"ddp-job launch {' '.join(chosen)}: the worker command is always `python -m {module} {TARGET_COMMAND}`. "
+            "Fix: drop the option (use plain torchrun to run another program)."
+        )
+    args = parser.parse_args([*options, "--module", module, TARGET_COMMAND, *train_args])
+    # PET_NO_PYTHON / PET_RUN_PATH in the environment would change the command behind our back.
+    if args.no_python or args.run_path:
+        raise BadInput(
+            "PET_NO_PYTHON or PET_RUN_PATH is set: ddp-job launch always runs `python -m job train`. "
+            "Fix: unset PET_NO_PYTHON and PET_RUN_PATH."
+        )
+    return args
+
+
+def _code(exitcode: int) -> int:
+    """A worker killed by signal N is reported as -N by Popen; shells and Kubernetes say 128 + N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def map_exit_codes(exitcodes: Iterable[int]) -> int:
+    """The launch's exit code from the failed workers' codes, first failure first (Popen style: -N = signal N).
+
+    Only a code a worker *returned* counts as preempted: 143 from a worker that saved. A worker *killed* by
+    SIGTERM (-15, e.g. torchrun stopping the peers of a crashed rank) is a failure, not "resume me"."""
+    codes = list(exitcodes)
+    for wanted in (EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_TIMEOUT):
+        if wanted in codes:
+            return wanted
+    failed = [c for c in codes if c != 0]
+    return max(_code(failed[0]), EXIT_FAILURE) if failed else EXIT_FAILURE
+
+
+def _first_failure_order(failures: dict) -> list[int]:
+    """Exit codes, first failure first. torchrun records failures in the order it saw them (the real
+    failure, then the peers it terminated); timestamps have one-second resolution, so a stable sort by
+    time keeps that order on ties."""
+    return [f.exitcode for f in sorted(failures.values(), key=lambda f: f.timestamp)]
+
+
+def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
+    """Run torchrun's agent in this process; return the job's exit code. ``module`` exists for tests only."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        args = build_torchrun_args(argv, module)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    for name, value in AGENT_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+    exits: list[int] = []
+    try:
+        with _recording_worker_exits(exits):
+            _run(args)
+    except ChildFailedError as e:
+        codes = _first_failure_order(e.failures)
+        result = map_exit_codes(codes)
+        detail = ", ".join(f"rank {rank}: {_code(f.exitcode)}" for rank, f in sorted(e.failures.items()))
+        print(f"ddp-job launch: workers failed ({detail}); exit code {result}", file=sys.stderr, flush=True)
+        return result
+    except SignalException as e:
+        # torchrun forwarded the signal to the workers and waited for them (--shutdown-timeout). Workers that
+        # stopped cleanly saved a checkpoint and returned 143: then this launch is "preempted, resume me".
+        sig = int(e.sigval)
+        result = EXIT_PREEMPTED if EXIT_PREEMPTED in exits else 128 + sig
+        print(
+            f"ddp-job launch: got {signal.Signals(sig).name}; worker exit codes {[_code(c) for c in exits]}; exit code {result}",
+            file=sys.stderr, flush=True,
+        )
+        return result
+    return EXIT_OK
+
+
+def _run(args: argparse.Namespace) -> None:
+    from torch.distributed.run import run
+
+    run(args)
+
+
+class _recording_worker_exits:  # noqa: N801 - used as a context manager, reads like one
+    """Let torchrun's agent report its workers' exit codes after it shut them down.
+
+    On SIGTERM the agent forwards the signal, waits, and raises SignalException without the codes, which
+    decide between "saved, resume me" (143) and "killed" (128+N). The agent object is private to
+    ``torch.distributed.launcher.api.launch_agent``, so for the duration of the run that module's
+    ``LocalElasticAgent`` is a subclass whose ``_shutdown`` also records the codes into ``exits``
+    (torch is pinned; tests/test_launch.py checks it against the real agent)."""
+
+    def __init__(self, exits: list[int]) -> None:
+        self.exits = exits
+
+    def __enter__(self) -> None:
+        import torch.distributed.launcher.api as launcher_api
+
+        base = launcher_api.LocalElasticAgent
+        exits = self.exits
+
+        class RecordingAgent(base):  # type: ignore[misc, valid-type]
+            def _shutdown(self, *a, **kw):  # noqa: ANN002, ANN003 - same signature as the base
+                try:
+                    return super()._shutdown(*a, **kw)
+                finally:
+                    handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+                    codes = [h.proc.returncode for h in handlers.values() if h.proc.returncode is not None]
+                    if codes:
+                        exits[:] = codes
+
+        self._module, self._base = launcher_api, base
+        launcher_api.LocalElasticAgent = RecordingAgent
+
+    def __exit__(self, *exc: object) -> None:
+        self._module.LocalElasticAgent = self._base
