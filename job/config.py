@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     CliApp,
@@ -97,6 +97,8 @@ class DataConfig(BaseModel):
     """Batches each worker prepares ahead."""
     pin_memory: bool = True
     """Page-locked host batches for asynchronous copies (CUDA only)."""
+    device_prefetch: bool = True
+    """Copy the next batch to the GPU on a side CUDA stream while this one computes (no-op on CPU)."""
 
 
 class ModelConfig(BaseModel):
@@ -124,12 +126,12 @@ class OptimConfig(BaseModel):
     """Optimizer."""
 
     model_config = _SECTION
-    name: Literal["sgd", "adamw"] = "sgd"
-    """Optimizer."""
+    name: Literal["sgd", "adamw", "lars", "lamb"] = "sgd"
+    """sgd, adamw, or the large-batch optimizers lars / lamb (timm.optim.Lars / timm.optim.Lamb)."""
     lr: float = Field(0.1, gt=0)
     """Peak learning rate (before scaling by global batch, see lr_scaling)."""
-    lr_scaling: Literal["none", "linear"] = "none"
-    """linear: lr x global_batch_size / lr_scaling_base (Goyal et al. 2017)."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """linear: lr x global_batch_size / lr_scaling_base (Goyal et al. 2017); sqrt: lr x sqrt(that ratio)."""
     lr_scaling_base: int = Field(256, ge=1)
     """Reference batch size of the LR scaling rule."""
     momentum: float = Field(0.9, ge=0, lt=1)
@@ -140,13 +142,17 @@ class OptimConfig(BaseModel):
     """AdamW betas."""
     weight_decay: float = Field(1e-4, ge=0)
     """Weight decay; never applied to norm and bias parameters."""
+    trust_coeff: float = Field(0.001, gt=0)
+    """lars: trust coefficient of the layer-wise LR ratio."""
+    zero: bool = False
+    """Shard optimizer state over ranks (torch ZeroRedundancyOptimizer); checkpoints stay complete (consolidated)."""
 
 
 class SchedConfig(BaseModel):
     """Learning-rate schedule (from torch.optim.lr_scheduler)."""
 
     model_config = _SECTION
-    name: Literal["cosine", "step", "constant"] = "cosine"
+    name: Literal["cosine", "step", "multistep", "onecycle", "constant"] = "cosine"
     """Schedule after warmup."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup steps from warmup_start_factor x lr to lr."""
@@ -157,7 +163,27 @@ class SchedConfig(BaseModel):
     step_size: int = Field(30, ge=1)
     """step: decay every step_size optimizer steps."""
     gamma: float = Field(0.1, gt=0, le=1)
-    """step: decay factor."""
+    """step, multistep: decay factor."""
+    milestones: tuple[int, ...] = ()
+    """multistep: optimizer steps (absolute, after any warmup) at which the LR is multiplied by gamma."""
+    pct_start: float = Field(0.3, gt=0, lt=1)
+    """onecycle: fraction of the steps spent raising the LR (its own warmup; keep warmup_steps 0)."""
+    div_factor: float = Field(25.0, ge=1)
+    """onecycle: initial LR = lr / div_factor."""
+    final_div_factor: float = Field(1e4, ge=1)
+    """onecycle: final LR = initial LR / final_div_factor."""
+
+    @model_validator(mode="after")
+    def _schedule_consistent(self) -> "SchedConfig":
+        if self.name == "onecycle" and self.warmup_steps:
+            raise ValueError(f"sched.warmup_steps={self.warmup_steps} with sched.name='onecycle': one-cycle has its own "
+                             "warmup. Fix: set sched.warmup_steps 0 and use sched.pct_start")
+        if self.name == "multistep":
+            m = self.milestones
+            if not m or list(m) != sorted(set(m)) or m[0] <= self.warmup_steps:
+                raise ValueError(f"sched.milestones={list(m)} must be strictly increasing optimizer steps after "
+                                 f"sched.warmup_steps={self.warmup_steps}. Fix: e.g. --sched.milestones '[30,60]'")
+        return self
 
 
 class TrainConfig(BaseModel):
@@ -176,6 +202,11 @@ class TrainConfig(BaseModel):
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     """Cross-entropy label smoothing."""
+    strategy: Literal["ddp", "dp"] = "ddp"
+    """ddp: DistributedDataParallel (one process per GPU); dp: single-process nn.DataParallel over the visible
+    GPUs, a baseline for comparison only (refused on CPU and with more than one process)."""
+    tf32: bool = False
+    """Allow TF32 for fp32 matmuls and convolutions on CUDA (faster, ~10-bit mantissa); false = full fp32."""
     eval_every: int = Field(0, ge=0)
     """Evaluate every N steps (0: only at the end)."""
     max_nonfinite_skips: int = Field(10, ge=0)
@@ -222,6 +253,38 @@ class LogConfig(BaseModel):
     """Write TensorBoard events to <run_dir>/tb (rank 0 only)."""
     progress: Literal["auto", "on", "off"] = "auto"
     """tqdm progress bar on rank 0 (auto: only when stdout is a terminal)."""
+
+
+class DdpConfig(BaseModel):
+    """DistributedDataParallel knobs and gradient communication (see docs/efficiency.md)."""
+
+    model_config = _SECTION
+    bucket_cap_mb: float = Field(25.0, gt=0)
+    """Gradient bucket size in MiB: larger = fewer, bigger all-reduces; smaller = earlier overlap with backward."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into the communication buckets (saves one gradient-sized copy of memory)."""
+    static_graph: bool = False
+    """Promise the set of used parameters never changes (lets DDP skip per-step graph checks)."""
+    comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    """Gradient communication: none (fp32 all-reduce), bf16/fp16 compression, or PowerSGD low-rank compression."""
+    powersgd_rank: int = Field(1, ge=1)
+    """powersgd: matrix approximation rank (higher = more accurate, more traffic)."""
+    powersgd_start_iter: int = Field(10, ge=1)
+    """powersgd: plain all-reduce for this many iterations before compressing."""
+    comm_stats: bool = False
+    """Count gradient all-reduce calls per optimizer step and log them at the end (a counting comm hook)."""
+
+
+class EmaConfig(BaseModel):
+    """Exponential moving average of the weights, evaluated and checkpointed alongside the model."""
+
+    model_config = _SECTION
+    enabled: bool = False
+    """Keep an EMA copy of parameters and buffers (torch.optim.swa_utils.AveragedModel)."""
+    decay: float = Field(0.999, gt=0, lt=1)
+    """ema = decay x ema + (1 - decay) x weights, per update."""
+    every: int = Field(1, ge=1)
+    """Update the EMA every N optimizer steps."""
 
 
 class DoctorConfig(BaseModel):
@@ -291,6 +354,10 @@ class JobConfig(BaseSettings):
     """Checkpointing."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""
+    ddp: DdpConfig = Field(default_factory=DdpConfig)
+    """DDP knobs and communication hooks."""
+    ema: EmaConfig = Field(default_factory=EmaConfig)
+    """Weight EMA."""
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)
     """Preflight checks."""
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
