@@ -186,3 +186,20 @@ def test_signal_to_the_agent_reaches_the_workers(tmp_path: Path, sig: signal.Sig
     assert rc == expected, out
     for rank in (0, 1):
         assert (tmp_path / f"signal-{rank}").read_text() == sig.name
+
+
+@pytest.mark.integration
+def test_elastic_restart_recovers(tmp_path: Path) -> None:
+    """--max-restarts 1, real gloo workers, rank 1 crashes once: the restarted group must finish. On torch
+    2.14.1 with the rendezvous store shared (torch's default) this failed or hung in some runs even with
+    --standalone; launch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes it reliable."""
+    env = _agent_env(tmp_path, "", None)
+    agent = AGENT.replace("tests.launch_worker", "tests.launch_restart_worker")
+    argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
+    proc = subprocess.run([sys.executable, "-c", agent, *argv], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert (tmp_path / "crashed-once").exists()  # the first round really failed
+    ok = sorted(line for line in out.splitlines() if "RESTART-OK" in line)
+    assert len(ok) == 2 and all("round=1" in line and "sum=16" in line for line in ok), out
