@@ -224,6 +224,16 @@ def test_resume_mid_epoch_with_persistent_workers_matches_uninterrupted(shapes):
     assert same(collect(resumed, 0, 3, 4), uninterrupted[3:7])
 
 
+def test_one_rank_batch_equals_two_rank_batches_concatenated_even_with_augmentation(shapes):
+    # augmentation depends on (seed, epoch, index), not on the rank: the W=1 x micro 8 batch of each step
+    # is bit-for-bit rank 0's micro 4 batch followed by rank 1's, over an epoch boundary too.
+    one = collect(build_loaders(cfg_for(shapes), 0, 1, 8, 5, CPU), 0, 0, 8)
+    r0, r1 = (collect(build_loaders(cfg_for(shapes), r, 2, 4, 5, CPU), 0, 0, 8) for r in (0, 1))
+    assert [(e, k) for e, k, *_ in one] == [(e, k) for e, k, *_ in r0] == [(0, k) for k in range(6)] + [(1, 0), (1, 1)]
+    for (_, _, x, y), (_, _, x0, y0), (_, _, x1, y1) in zip(one, r0, r1):
+        assert torch.equal(x, torch.cat([x0, x1])) and torch.equal(y, torch.cat([y0, y1]))
+
+
 def test_augmentation_is_identical_with_0_and_2_workers_and_varies_by_epoch(shapes):
     with_workers = collect(build_loaders(cfg_for(shapes, num_workers=2), 0, 1, 8, 5, CPU), 0, 0, 12)
     torch.manual_seed(123)
