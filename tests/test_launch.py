@@ -4,11 +4,13 @@ and the workers' exit codes mapped to the job's (docs/design.md).
 The integration tests run the real torchrun elastic agent (launch_main in a child process, so signals
 hit only it) with 2 workers of tests/launch_worker.py, which exits with a code chosen per rank.
 
-Why launch sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (measured 2026-11-29, torch 2.14.1, this machine):
-two torchrun agents on loopback (c10d rendezvous, --nnodes 2, --max-restarts 2), a gloo worker that
-crashes once after its first all_reduce; with the default (shared store) restarts failed or stalled in
-some runs (restarted workers dialled the previous round's gloo addresses: "Connection refused"), with
-the variable set every run recovered. See the report of this change for the counts.
+Why launch sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (measured 2026-11-29, torch 2.14.1, this machine,
+gloo workers of which rank 1 crashes once after its first all_reduce, --max-restarts 2):
+* two torchrun agents on loopback, c10d rendezvous: shared store (torch's default) 2 of 6 runs failed
+  (one exit 1, one hung until killed at 150 s); with the variable 6 of 6 recovered;
+* one agent, --standalone: shared store 2 of 4 runs never recovered (the restarted workers dialled the
+  previous round's gloo addresses: "Connection refused", then hung); with the variable 3 of 3 recovered.
+test_elastic_restart_recovers below repeats the --standalone case through launch_main.
 """
 
 from __future__ import annotations
