@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +86,18 @@ def test_make_data_cli_rerun_is_noop_and_conflict_is_bad_input(tmp_path, capsys)
     assert make_data_main(["--out", str(tmp_path / "e"), "--classes", "999"]) == 2
     assert "--classes 999" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+
+
+def test_make_data_through_the_real_cli(tmp_path):
+    out = tmp_path / "d"
+    cmd = [sys.executable, "-m", "job", "make-data", "--out", str(out), "--classes", "2", "--per-class", "3",
+           "--size", "8", "--val-per-class", "1", "--format", "jpeg"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (out / "val" / "class_01").iterdir()) == ["000000.jpg"]
+    done = subprocess.run(cmd[:-1] + ["png"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "format: 'jpeg' there, 'png' asked" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_make_data_crash_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
