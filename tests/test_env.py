@@ -327,7 +327,7 @@ def test_real_torchrun_workers(tmp_path: Path) -> None:
         env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = sorted(line.split("DETECTED ", 1)[1] for line in proc.stdout.splitlines() if "DETECTED " in line)

@@ -128,7 +128,7 @@ def _launch(tmp_path: Path, plan: str, on_signal: str | None = None, extra: tupl
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
 
@@ -162,7 +162,7 @@ def test_worker_exit_codes_are_mapped(tmp_path: Path, plan: str, on_signal: str 
     assert f"exit code {expected}" in out
 
 
-def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 90) -> None:
+def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -184,7 +184,7 @@ def test_signal_to_the_agent_reaches_the_workers(tmp_path: Path, sig: signal.Sig
     proc = _launch(tmp_path, "0:0:60,1:0:60", on_signal)
     _wait_ready(tmp_path, proc)
     proc.send_signal(sig)
-    rc, out = _finish(proc, timeout=60)
+    rc, out = _finish(proc, timeout=120)
     assert rc == expected, out
     for rank in (0, 1):
         assert (tmp_path / f"signal-{rank}").read_text() == sig.name
@@ -199,7 +199,7 @@ def test_elastic_restart_recovers(tmp_path: Path) -> None:
     agent = AGENT.replace("tests.launch_worker", "tests.launch_restart_worker")
     argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
     proc = subprocess.run([sys.executable, "-c", agent, *argv], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=480)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert (tmp_path / "crashed-once").exists()  # the first round really failed
