@@ -1,0 +1,353 @@
+"""``ddp-job doctor``: preflight checks that fail in seconds instead of after the GPU hours start.
+
+Runs under any launcher exactly like ``train`` (same ``load_config``, same ``detect_env``, same
+``distributed.setup``), in three phases:
+
+1. local checks on every rank (topology, versions, /dev/shm, storage, data) and the rendezvous endpoint,
+   checked *before* ``init_process_group`` (which would block on a dead endpoint for the whole init timeout);
+2. the process group, then one ``all_gather_object`` of every rank's facts: ranks unique and consistent
+   with the launcher's layout, the same config hash and library versions everywhere;
+3. communication: an all-reduce checked for correctness, then (``ddp-job doctor`` only) timed over
+   ``doctor.comm_sizes_kb`` with algorithm and bus bandwidth as nccl-tests define them.
+
+Rank 0 prints one line per check (worst status over ranks) and writes ``run_dir/doctor.json``. Exit code:
+0 without FAIL; 1 when only rendezvous/communication failed (may heal on restart); 2 otherwise (bad input).
+``train`` runs the quick variant (no bandwidth sweep) through ``setup_checked`` unless doctor.enabled=false.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from job import distributed
+from job import doctor_checks as dc
+from job.config import JobConfig, config_to_dict, load_config
+from job.doctor_checks import FAIL, ORDER, PASS, WARN, Check
+from job.env import DistEnv, detect_env
+from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput
+from job.plan import make_plan
+
+
+class DoctorFailed(RuntimeError):
+    """A rendezvous/communication FAIL in train's doctor phase: exit 1, a restart may help."""
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_hash(flat: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def topology_check(env: DistEnv) -> Check:
+    """WORLD_SIZE = nodes x processes per node. Slurm may place unequal task counts per node (env.py checks
+    SLURM_TASKS_PER_NODE against the totals); every other launcher starts the same number on each node."""
+    product = env.num_nodes * env.local_world_size
+    if env.launcher != "slurm" and product != env.world_size:
+        return Check("topology.launcher", FAIL, f"launcher={env.launcher}: WORLD_SIZE={env.world_size} but {env.num_nodes} node(s) "
+                     f"x LOCAL_WORLD_SIZE={env.local_world_size} = {product}",
+                     "make WORLD_SIZE = number of nodes (GROUP_WORLD_SIZE / --nnodes) x processes per node (LOCAL_WORLD_SIZE / --nproc-per-node)")
+    return Check("topology.launcher", PASS, f"launcher={env.launcher}: world size {env.world_size} = "
+                 f"{env.num_nodes} node(s) x {env.local_world_size} process(es) per node")
+
+
+def local_checks(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]) -> tuple[list[Check], dict[str, str]]:
+    """Phase 1 minus the rendezvous: every check this rank can do alone."""
+    try:
+        backend = distributed.pick_backend(cfg.dist, torch.cuda.is_available())
+    except BadInput:
+        backend = "nccl"  # asked for without a GPU: check_gpus says so
+    checks = [topology_check(env)]
+    try:
+        plan = make_plan(cfg, env.world_size)
+        micro = plan.micro_batch_size
+    except BadInput as e:
+        detail, _, fix = str(e).partition(" Fix: ")
+        checks.append(Check("config.batch", FAIL, detail, fix))
+        micro = max(1, cfg.train.global_batch_size // env.world_size)
+    checks.append(dc.check_gpus(env, backend, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    vers = dc.versions()
+    checks.append(dc.check_cuda_driver(vers))
+    checks.append(dc.check_flight_recorder(backend, dict(environ)))
+    checks.append(dc.check_shm(dc.shm_need_bytes(cfg, micro, env.local_world_size)))
+    if env.is_main:  # rank 0 writes checkpoints, TensorBoard and config.yaml
+        try:
+            ckpt_bytes = dc.checkpoint_bytes(cfg)
+        except BadInput as e:
+            detail, _, fix = str(e).partition(" Fix: ")
+            checks.append(Check("config.model", FAIL, detail, fix))
+            ckpt_bytes = 0
+        checks += dc.check_run_dir(cfg.run_dir, ckpt_bytes, cfg.ckpt.keep_last, create=full)
+    if full and env.local_rank == 0:  # train's own preflight already validates the data
+        checks.append(dc.check_data(cfg))
+    return checks, vers
+
+
+def _facts(cfg: JobConfig, env: DistEnv, checks: list[Check], vers: dict[str, str]) -> dict[str, Any]:
+    flat = _flat(config_to_dict(cfg))
+    return {"rank": env.rank, "env": asdict(env), "host": socket.gethostname(), "pid": os.getpid(),
+            "config_hash": config_hash(flat), "config": flat, "versions": vers, "checks": [asdict(c) for c in checks]}
+
+
+def consistency_checks(facts: list[dict[str, Any]], pg_world: int) -> list[Check]:
+    """Phase 2, identical on every rank: what only the gathered facts of all ranks can show."""
+    out: list[Check] = []
+    ranks = [f["env"]["rank"] for f in facts]
+    envs = [f["env"] for f in facts]
+    problems = []
+    if sorted(ranks) != list(range(pg_world)):
+        problems.append(f"ranks {sorted(ranks)} are not unique 0..{pg_world - 1}")
+    if {e["world_size"] for e in envs} != {pg_world}:
+        problems.append(f"WORLD_SIZE per rank {[e['world_size'] for e in envs]} but {pg_world} processes joined")
+    nodes: dict[int, list[dict[str, Any]]] = {}
+    for e in envs:
+        nodes.setdefault(e["node_rank"], []).append(e)
+    for node, members in sorted(nodes.items()):
+        declared = {m["local_world_size"] for m in members}
+        if declared != {len(members)}:
+            problems.append(f"node {node}: {len(members)} processes joined but they declare LOCAL_WORLD_SIZE {sorted(declared)}")
+        if sorted(m["local_rank"] for m in members) != list(range(len(members))):
+            problems.append(f"node {node}: local ranks {sorted(m['local_rank'] for m in members)} are not 0..{len(members) - 1}")
+    if {e["num_nodes"] for e in envs} != {len(nodes)}:
+        problems.append(f"{len(nodes)} node(s) joined but ranks declare {sorted({e['num_nodes'] for e in envs})} nodes")
+    if problems:
+        out.append(Check("topology.layout", FAIL, "; ".join(problems), "launch the same number of processes per node that "
+                         "the launcher's variables declare (nnodes x nproc-per-node = WORLD_SIZE)"))
+    else:
+        hosts = sorted({f["host"] for f in facts})
+        out.append(Check("topology.layout", PASS, f"{pg_world} ranks unique, {len(nodes)} node(s) x "
+                         f"{envs[0]['local_world_size']} as declared, hosts: {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}"))
+    hashes = [f["config_hash"] for f in facts]
+    if len(set(hashes)) > 1:
+        odd = next(f for f in facts if f["config_hash"] != hashes[0])
+        base = facts[0]["config"]
+        diff = [f"{k}: rank 0 {base.get(k)!r} vs rank {odd['rank']} {odd['config'].get(k)!r}"
+                for k in sorted(set(base) | set(odd["config"])) if base.get(k) != odd["config"].get(k)]
+        bad = [f["rank"] for f in facts if f["config_hash"] != hashes[0]]
+        out.append(Check("config.same", FAIL, f"ranks {bad} resolved a different config than rank 0: {'; '.join(diff[:5])}",
+                         "give every rank the same --config, overrides and JOB_* variables"))
+    else:
+        out.append(Check("config.same", PASS, f"config hash {hashes[0]} on all {len(facts)} ranks"))
+    vers = [f["versions"] for f in facts]
+    differ = {k: sorted({v[k] for v in vers}) for k in vers[0] if len({v[k] for v in vers}) > 1}
+    hard = {k: v for k, v in differ.items() if k not in ("cuda_driver", "cudnn")}
+    v0 = vers[0]
+    summary = f"python {v0['python']}, torch {v0['torch']}, CUDA {v0['cuda_runtime']}, NCCL {v0['nccl']}, cuDNN {v0['cudnn']}"
+    if differ:
+        status = FAIL if hard else WARN
+        out.append(Check("versions.same", status, f"versions differ across ranks: {differ}", "use one image / environment on every node"))
+    else:
+        out.append(Check("versions.same", PASS, f"{summary} on all ranks"))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def comm_checks(rt: distributed.Runtime, world: int, rank: int, full: bool, sizes_kb: Sequence[int], iters: int) -> list[Check]:
+    """Phase 3 on the training backend and device: correctness, then timed sizes (nccl-tests definitions)."""
+    device = rt.device
+    x = torch.arange(1024, dtype=torch.float32, device=device) * (rank + 1)
+    dist.all_reduce(x)
+    expected = torch.arange(1024, dtype=torch.float32, device=device) * (world * (world + 1) // 2)
+    bad = int((x != expected).sum())
+    flags = torch.tensor([bad], dtype=torch.int64)
+    dist.all_reduce(flags, group=rt.control_group)
+    if int(flags) or bad:
+        return [Check("communication.allreduce", FAIL, f"all-reduce ({rt.backend}) returned {int(flags)} wrong values (first: {x[:3].tolist()})",
+                      "check the interconnect (NCCL_DEBUG=INFO, NCCL_IB_DISABLE / NCCL_SOCKET_IFNAME)")]
+    out = [Check("communication.allreduce", PASS, f"all-reduce on {rt.backend} across {world} rank(s) correct")]
+    if not full:
+        return out
+    rows, mine = [], []
+    for kb in sizes_kb:
+        t = torch.ones(max(1, kb * 1024 // 4), dtype=torch.float32, device=device)
+        dist.all_reduce(t)  # warm-up: connection set-up and allocation are not bandwidth
+        _sync(device)
+        distributed.barrier(rt)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        _sync(device)
+        mine.append((time.perf_counter() - t0) / iters)
+    times = torch.tensor(mine, dtype=torch.float64)
+    gathered = [torch.zeros_like(times) for _ in range(world)]
+    dist.all_gather(gathered, times, group=rt.control_group)
+    per_rank = torch.stack(gathered)  # [rank, size]
+    factor = 2 * (world - 1) / world
+    for i, kb in enumerate(sizes_kb):
+        sec = float(per_rank[:, i].max())  # the collective is as slow as its slowest rank
+        algbw = kb * 1024 / sec / 1e9
+        rows.append({"size_bytes": kb * 1024, "time_us": sec * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * factor})
+    total = per_rank.sum(dim=1)
+    slow = int(total.argmax())
+    best = max(rows, key=lambda r: r["busbw_GBps"])
+    detail = (f"peak busbw {best['busbw_GBps']:.3f} GB/s (algbw {best['algbw_GBps']:.3f}) at {best['size_bytes'] // 1024} KiB; "
+              f"slowest rank {slow} ({float(total[slow]) * 1e3:.1f} ms vs median {statistics.median(total.tolist()) * 1e3:.1f} ms)")
+    out.append(Check("communication.bandwidth", PASS, detail, data={"rows": rows, "slowest_rank": slow,
+                                                                   "per_rank_total_s": total.tolist(), "backend": rt.backend}))
+    return out
+
+
+def _merge(per_rank: list[list[dict[str, Any]]], world: int, shared: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """One line per check name: the worst status over ranks, its distinct details and which ranks.
+    ``shared`` names checks computed from all ranks' facts (no rank suffix)."""
+    names: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for rank, checks in enumerate(per_rank):
+        for c in checks:
+            names.setdefault(c["name"], []).append((rank, c))
+    merged = []
+    for name, items in names.items():
+        worst = max(ORDER[c["status"]] for _, c in items)
+        groups: dict[str, list[int]] = {}
+        for rank, c in items:
+            if ORDER[c["status"]] == worst:
+                # PASS details differ only in numbers (ports, timings): one line, rank 0's words
+                groups.setdefault(items[0][1]["detail"] if worst == 0 else c["detail"], []).append(rank)
+        for detail, ranks in groups.items():
+            c = next((c for r, c in items if c["detail"] == detail), items[0][1])
+            who = "" if world == 1 or name in shared else (" [all ranks]" if len(ranks) == world else f" [rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}]")
+            merged.append({**c, "ranks": ranks, "line": f"{c['status']} {name:<24} {detail}{who}"})
+    return merged
+
+
+def exit_code(merged: list[dict[str, Any]]) -> int:
+    fails = [m for m in merged if m["status"] == FAIL]
+    if not fails:
+        return EXIT_OK
+    return EXIT_FAILURE if all(m["name"].startswith(dc.TRANSIENT) for m in fails) else EXIT_BAD_INPUT
+
+
+def _print(merged: list[dict[str, Any]], only_problems: bool) -> None:
+    for m in merged:
+        if only_problems and m["status"] == PASS:
+            continue
+        print(m["line"], flush=True)
+        if m["status"] != PASS and m["fix"]:
+            print(f"     fix: {m['fix']}", flush=True)
+
+
+def _summary(merged: list[dict[str, Any]], wall: float) -> str:
+    n = {s: sum(m["status"] == s for m in merged) for s in (FAIL, WARN, PASS)}
+    return f"doctor: {n[FAIL]} FAIL, {n[WARN]} WARN, {n[PASS]} PASS in {wall:.2f} s"
+
+
+def _write_report(run_dir: Path, report: dict[str, Any], name: str) -> Path | None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / name
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+        os.replace(tmp, path)
+        return path
+    except OSError as e:
+        print(f"doctor: report not written to {run_dir} ({e.strerror})", file=sys.stderr, flush=True)
+        return None
+
+
+def _run(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]) -> tuple[list[dict[str, Any]], distributed.Runtime | None, dict[str, Any]]:
+    """All phases; returns the merged checks, the live runtime (None if the rendezvous failed) and the report."""
+    t0 = time.perf_counter()
+    checks, vers = local_checks(cfg, env, full, environ)
+    # Rank 0 opens the store itself unless torchrun's agent already serves it (TORCHELASTIC_USE_AGENT_STORE=True;
+    # ddp-job launch turns that off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so elastic restarts work).
+    hosts_store = env.rank == 0 and not (env.launcher == "torchrun" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    rdzv = dc.check_rendezvous(env, cfg.doctor.rendezvous_timeout_s, hosts_store)
+    checks.append(rdzv)
+    if rdzv.status == FAIL:  # no process group possible: this rank reports alone
+        merged = _merge([[asdict(c) for c in checks]], 1)
+        return merged, None, {"rank": env.rank, "env": asdict(env), "checks": merged, "wall_s": time.perf_counter() - t0}
+    rt = distributed.setup(env, cfg.dist)
+    try:
+        world = dist.get_world_size()
+        facts: list[Any] = [None] * world
+        dist.all_gather_object(facts, _facts(cfg, env, checks, vers), group=rt.control_group)
+        shared = consistency_checks(facts, world)
+        shared += comm_checks(rt, world, dist.get_rank(), full, cfg.doctor.comm_sizes_kb, cfg.doctor.comm_iters)
+        per_rank = [f["checks"] for f in facts]
+        merged = _merge([per_rank[0] + [asdict(c) for c in shared], *per_rank[1:]], world, frozenset(c.name for c in shared))
+    except BaseException:
+        distributed.teardown()
+        raise
+    wall = time.perf_counter() - t0
+    report = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": wall, "world_size": world,
+              "launcher": env.launcher, "backend": rt.backend, "checks": merged,
+              "ranks": [{k: f[k] for k in ("rank", "env", "host", "pid", "config_hash", "versions")} for f in facts]}
+    return merged, rt, report
+
+
+def setup_checked(cfg: JobConfig, env: DistEnv, environ: Mapping[str, str] | None = None) -> distributed.Runtime:
+    """train's first phase: ``distributed.setup`` wrapped in the quick checks (doctor.enabled, default on).
+
+    Raises BadInput (exit 2) or DoctorFailed (exit 1) on every rank alike when a check FAILs."""
+    if not cfg.doctor.enabled:
+        return distributed.setup(env, cfg.dist)
+    environ = os.environ if environ is None else environ
+    t0 = time.perf_counter()
+    merged, rt, report = _run(cfg, env, False, environ)
+    code = exit_code(merged)
+    if env.is_main or rt is None:
+        _print(merged, only_problems=True)
+        print(_summary(merged, time.perf_counter() - t0) + " (skip with --doctor.enabled false)", flush=True)
+    if code == EXIT_OK:
+        assert rt is not None
+        if env.is_main:  # only on success: a failed start writes nothing (exit 2 contract)
+            _write_report(cfg.run_dir, report, "doctor.json")
+        return rt
+    if rt is not None:
+        distributed.teardown()
+    fails = "\n  ".join(f"{m['line']} -- fix: {m['fix']}" for m in merged if m["status"] == FAIL)
+    raise (DoctorFailed if code == EXIT_FAILURE else BadInput)(f"preflight checks failed (run `ddp-job doctor` for the full report):\n  {fails}")
+
+
+def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
+    """``ddp-job doctor [--config PATH] [train overrides]``: the full checks; 0 ok, 1 transient FAIL, 2 FAIL."""
+    environ = os.environ if environ is None else environ
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return EXIT_OK
+    t0 = time.perf_counter()
+    cfg = load_config(argv, environ)
+    try:
+        env = detect_env(environ)
+    except BadInput as e:
+        detail, _, fix = str(e).partition(" Fix: ")
+        print(f"FAIL topology.launcher         {detail}\n     fix: {fix}", flush=True)
+        _write_report(cfg.run_dir, {"checks": [{"name": "topology.launcher", "status": FAIL, "detail": detail, "fix": fix}]},
+                      "doctor.json")
+        return EXIT_BAD_INPUT
+    merged, rt, report = _run(cfg, env, True, environ)
+    try:
+        if rt is None:  # rendezvous failed: every rank tells its own story
+            print(f"[rank {env.rank}/{env.world_size}]", flush=True)
+        if env.is_main or rt is None:
+            _print(merged, only_problems=False)
+            wall = time.perf_counter() - t0
+            report["wall_s_total"] = wall
+            name = "doctor.json" if rt is not None else f"doctor-rank{env.rank}.json"
+            path = _write_report(cfg.run_dir, report, name) if not any(
+                m["name"] == "storage.writable" and m["status"] == FAIL for m in merged) else None
+            print(_summary(merged, wall) + (f"; report: {path}" if path else ""), flush=True)
+    finally:
+        if rt is not None:
+            distributed.teardown()
+    return exit_code(merged)

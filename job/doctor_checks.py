@@ -1,0 +1,248 @@
+"""The doctor's checks that need no process group: each returns a ``Check`` (PASS/WARN/FAIL + a one-line fix).
+
+Kept apart from the orchestration in ``job.doctor`` so each check is a plain function of the config, the
+detected environment and a few measured facts (sizes, versions), testable one by one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import platform
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from job.config import JobConfig
+from job.env import DistEnv
+from job.exitcodes import BadInput
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+ORDER = {PASS: 0, WARN: 1, FAIL: 2}
+# A FAIL in these can go away by itself (a pod whose DNS name appears late, a peer that restarts): exit 1
+# ("restart may help"). Every other FAIL is the input's fault: exit 2 ("do not retry").
+TRANSIENT = ("rendezvous", "communication")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def versions() -> dict[str, str]:
+    """Library versions that must agree on every rank (mixed builds hang or corrupt collectives)."""
+    import torch
+    import torchvision
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+           "cuda_runtime": str(torch.version.cuda), "nccl": "n/a", "cudnn": "n/a", "cuda_driver": "n/a"}
+    if torch.cuda.is_available():
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - a build without NCCL
+            pass
+        out["cudnn"] = str(torch.backends.cudnn.version())
+        try:
+            v = torch._C._cuda_getDriverVersion()  # the CUDA version the driver supports, e.g. 12040
+            out["cuda_driver"] = f"{v // 1000}.{v % 1000 // 10}"
+        except Exception:  # noqa: BLE001 - private API; absent is only a missing detail
+            pass
+    return out
+
+
+def check_cuda_driver(v: dict[str, str]) -> Check:
+    runtime, driver = v["cuda_runtime"], v["cuda_driver"]
+    if driver == "n/a" or runtime in ("None", "n/a"):
+        return Check("versions.cuda", PASS, f"CUDA runtime {runtime}, driver {driver} (no GPU in use)")
+    rt, dr = (tuple(int(x) for x in s.split(".")[:2]) for s in (runtime, driver))
+    if dr[0] < rt[0]:
+        return Check("versions.cuda", FAIL, f"torch's CUDA runtime {runtime} needs a newer driver than the installed one (supports CUDA {driver})",
+                     f"install a driver for CUDA {rt[0]}.x, or a torch build for CUDA {dr[0]}.x")
+    if dr < rt:
+        return Check("versions.cuda", WARN, f"CUDA runtime {runtime} on a driver for CUDA {driver} (minor-version compatibility only)",
+                     "upgrade the driver if kernels fail to load (PTX JIT needs a matching driver)")
+    return Check("versions.cuda", PASS, f"CUDA runtime {runtime}, driver supports {driver}")
+
+
+def check_gpus(env: DistEnv, backend: str, cuda_count: int) -> Check:
+    n = env.local_world_size
+    if cuda_count == 0:
+        if backend == "nccl":
+            return Check("topology.gpus", FAIL, "dist.backend=nccl but no CUDA device is visible",
+                         "check CUDA_VISIBLE_DEVICES / the container's GPU runtime, or use --dist.backend gloo")
+        return Check("topology.gpus", WARN, f"no CUDA device visible: {n} process(es) on this node train on CPU (gloo)",
+                     "expected GPUs? check CUDA_VISIBLE_DEVICES, the device plugin / --gres, the container's GPU runtime")
+    if cuda_count == 1 or cuda_count == n:
+        return Check("topology.gpus", PASS, f"{cuda_count} visible GPU(s) for LOCAL_WORLD_SIZE={n}")
+    if cuda_count > n:
+        return Check("topology.gpus", WARN, f"{cuda_count} GPUs visible but only LOCAL_WORLD_SIZE={n} processes: {cuda_count - n} idle",
+                     f"start {cuda_count} processes per node (--nproc-per-node {cuda_count})")
+    return Check("topology.gpus", FAIL, f"LOCAL_WORLD_SIZE={n} processes but only {cuda_count} GPUs visible",
+                 f"start at most {cuda_count} processes per node (--nproc-per-node {cuda_count})")
+
+
+def check_flight_recorder(backend: str, environ: dict[str, str]) -> Check:
+    if backend != "nccl":
+        return Check("observe.flight_recorder", PASS, f"backend {backend}: NCCL flight recorder not applicable")
+    size = environ.get("TORCH_FR_BUFFER_SIZE") or environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "0"
+    if size == "0":
+        return Check("observe.flight_recorder", WARN, "NCCL flight recorder off: a hang leaves no record of the last collectives",
+                     "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=<run_dir>/nccl_trace/rank_ (docs/doctor.md)")
+    return Check("observe.flight_recorder", PASS, f"NCCL flight recorder on (buffer {size} entries)")
+
+
+def _retry(what: Callable[[], Any], deadline: float, pause: float = 0.25) -> tuple[Any, BaseException | None, int]:
+    """Call ``what`` until it returns or ``deadline`` (monotonic) passes; back off up to 2 s between tries."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return what(), None, tries
+        except OSError as e:
+            if time.monotonic() + pause > deadline:
+                return None, e, tries
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+
+def check_rendezvous(env: DistEnv, timeout_s: float, hosts_store: bool) -> Check:
+    """MASTER_ADDR resolves and MASTER_PORT answers, retried for ``timeout_s``. Runs before the process group:
+    init_process_group itself would block on a dead endpoint for the whole init timeout.
+
+    ``hosts_store``: this process will open the store itself (rank 0 outside torchrun), so the port must be
+    free to bind on this host instead of answering.
+    """
+    if env.world_size == 1:
+        return Check("rendezvous", PASS, "single process: no rendezvous endpoint needed")
+    host, port, where = env.master_addr, env.master_port, f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port}"
+    deadline = time.monotonic() + timeout_s
+    infos, err, tries = _retry(lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), deadline)
+    if err is not None:
+        return Check("rendezvous", FAIL, f"{where}: name does not resolve ({err}) after {tries} tries in {timeout_s:g} s",
+                     "set MASTER_ADDR to rank 0's resolvable host name or IP (Kubernetes: the master pod's service must exist)")
+    addrs = sorted({i[4][0] for i in infos})
+    if hosts_store:
+        try:
+            with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((infos[0][4][0], port))
+        except OSError as e:
+            why = "is not an address of this host" if e.errno == errno.EADDRNOTAVAIL else f"cannot be bound ({e.strerror})"
+            return Check("rendezvous", FAIL, f"{where} ({addrs[0]}) {why}, but rank 0 opens the rendezvous store there",
+                         "run rank 0 on MASTER_ADDR's host and pick a free MASTER_PORT")
+        return Check("rendezvous", PASS, f"{where} resolves to {', '.join(addrs)}; port free for rank 0's store", data={"addrs": addrs})
+
+    def connect() -> None:
+        with socket.create_connection((host, port), timeout=max(0.5, min(5.0, deadline - time.monotonic()))):
+            pass
+
+    t0 = time.monotonic()
+    _, err, tries = _retry(connect, deadline)
+    if err is not None:
+        return Check("rendezvous", FAIL, f"{where} ({', '.join(addrs)}): nothing accepts connections ({err}) after {tries} tries in {timeout_s:g} s",
+                     "start rank 0 / the rendezvous host first, check MASTER_PORT and firewalls, or raise doctor.rendezvous_timeout_s")
+    return Check("rendezvous", PASS, f"{where} resolves to {', '.join(addrs)}; port reachable in {time.monotonic() - t0:.2f} s ({tries} tries)",
+                 data={"addrs": addrs, "tries": tries})
+
+
+def shm_need_bytes(cfg: JobConfig, micro_batch_size: int, local_world_size: int) -> int:
+    """Shared memory the DataLoader workers of all ranks on this node hold at once: each worker keeps
+    prefetch_factor uint8 batches in /dev/shm, for the train and the val loader."""
+    if cfg.data.num_workers == 0 or cfg.data.source == "synthetic":
+        return 0
+    batch = micro_batch_size * (3 * cfg.data.image_size**2 + 8)
+    return 2 * cfg.data.num_workers * cfg.data.prefetch_factor * batch * local_world_size
+
+
+def check_shm(need: int, path: str = "/dev/shm") -> Check:
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return Check("shm", FAIL if need else WARN, f"{path}: {e.strerror}", "mount a tmpfs at /dev/shm or set data.num_workers 0")
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    data = {"size_bytes": size, "free_bytes": free, "need_bytes": need}
+    mb = 2**20
+    if need == 0:
+        return Check("shm", PASS, f"{path}: {free / mb:.0f} MiB free; no DataLoader workers use it", data=data)
+    text = f"{path}: {free / mb:.1f} MiB free of {size / mb:.1f} MiB; DataLoader workers need about {need / mb:.1f} MiB"
+    fix = (f"give the container more shared memory (docker/podman --shm-size={max(1, 2 * need // mb)}m, Kubernetes emptyDir "
+           "medium: Memory on /dev/shm) or lower data.num_workers / data.prefetch_factor")
+    if free < need:
+        return Check("shm", FAIL, text, fix, data)
+    if free < 2 * need:
+        return Check("shm", WARN, text + " (less than 2x headroom)", fix, data)
+    return Check("shm", PASS, text, data=data)
+
+
+def checkpoint_bytes(cfg: JobConfig) -> int:
+    """Estimated size of one checkpoint: fp32 weights + buffers + optimizer state (SGD momentum 1x, AdamW 2x).
+    The model is built on the meta device: shapes only, no memory, a few ms."""
+    import torch
+
+    from job.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.data.num_classes)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    states = 2 if cfg.optim.name == "adamw" else (1 if cfg.optim.momentum > 0 else 0)
+    return params * (1 + states) + buffers + 2**20  # + trainer state, RNGs, manifest
+
+
+def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) -> list[Check]:
+    """Writable (by writing, not os.access: root passes os.access on read-only mounts) and big enough for
+    keep_last checkpoints plus the one being written."""
+    existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), Path("/"))
+    fix_dir = "set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory on a shared file system"
+    try:
+        if create:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            existing = run_dir
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".ddp-job-probe-") as f:
+            f.write(b"x")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return [Check("storage.writable", FAIL, f"run directory {run_dir}: cannot write in {existing} ({e.strerror})", fix_dir)]
+    checks = [Check("storage.writable", PASS, f"run directory {run_dir} writable (probe in {existing})")]
+    free = shutil.disk_usage(existing).free
+    need = ckpt_bytes * (keep_last + 1)
+    mb = 2**20
+    text = (f"{free / mb:.0f} MiB free at {existing}; checkpoints need about {need / mb:.0f} MiB "
+            f"({ckpt_bytes / mb:.1f} MiB x (ckpt.keep_last={keep_last} + 1 being written))")
+    data = {"free_bytes": free, "need_bytes": need, "checkpoint_bytes": ckpt_bytes}
+    fix = "free space, point run.output_dir elsewhere, or lower ckpt.keep_last"
+    status = FAIL if free < need else (WARN if free < 2 * need else PASS)
+    checks.append(Check("storage.space", status, text, fix if status != PASS else "", data))
+    return checks
+
+
+def check_data(cfg: JobConfig) -> Check:
+    """Path, class folders and count (job.data.validate_data), and one file actually readable."""
+    from job.data import validate_data
+
+    try:
+        layout = validate_data(cfg.data)
+    except BadInput as e:
+        msg = str(e)
+        detail, _, fix = msg.partition(" Fix: ")
+        return Check("storage.data", FAIL, detail, fix or "fix data.path / data.num_classes")
+    if layout is None:
+        return Check("storage.data", PASS, "data.source=synthetic: nothing to read")
+    path = layout.train[0][0]
+    try:
+        with open(path, "rb") as f:
+            f.read(64)
+    except OSError as e:
+        return Check("storage.data", FAIL, f"{path}: not readable ({e.strerror})", "check the data mount and its permissions")
+    return Check("storage.data", PASS, f"data.path={cfg.data.path}: {len(layout.classes)} classes = data.num_classes, "
+                 f"{len(layout.train)} train / {len(layout.val)} val files, first file readable")

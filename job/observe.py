@@ -1,0 +1,275 @@
+"""Seeing into a running job: stragglers, throughput/MFU, memory, profiler traces, and who stalled on a timeout.
+
+All ranks measure, rank 0 writes (its TensorBoard writer; the others hold a NullWriter). Every
+``observe.every`` steps (default ``log.every``) one small ``all_gather`` over the CPU control group
+(gloo: no GPU stream sync) collects each rank's window averages.
+
+Why "busy time" and not step time: DDP's gradient all-reduce makes every rank's step last as long as the
+slowest one's, so step times cannot name a straggler. Each rank therefore timestamps the moment its own
+gradients are ready (a post-accumulate-grad hook on the first parameter, whose gradient backward computes
+last) and reports busy = data wait + forward + backward up to that moment, and wait = the rest (the
+all-reduce wait, optimizer step). The rank with the largest busy time is the one the others wait for.
+
+Each rank also keeps ``run_dir/progress/rank-NNNNN`` current (one ``pwrite``, no rename, per phase): its
+last completed step and whether its gradients for the next step are ready. On a collective timeout
+``explain_timeouts`` reads them all and names the rank(s) that never reached the collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import resource
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from job.config import JobConfig
+from job.env import DistEnv
+
+log = logging.getLogger("job")
+
+# Dense bf16 peak TFLOP/s per device, for MFU when observe.peak_tflops is 0 (vendor data sheets).
+PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0, "V100": 125.0}
+_FIELDS = ("step_s", "busy_s", "data_wait_frac", "peak_alloc_mb", "peak_reserved_mb", "rss_mb", "peak_rss_mb")
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective timed out; the message says which rank(s) stalled. The CLI maps it to exit 124."""
+
+
+def gpu_peak_tflops(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
+
+
+def train_flops_per_sample(model: nn.Module, image_size: int, device: torch.device) -> float:
+    """Forward FLOPs of one sample counted by torch.utils.flop_counter, x3 for forward + backward.
+    Eval mode and no_grad: BatchNorm statistics and gradients stay untouched."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(torch.zeros(1, 3, image_size, image_size, device=device))
+    finally:
+        model.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
+def memory_mb(device: torch.device) -> dict[str, float]:
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        rss = peak_rss
+    out = {"rss_mb": rss, "peak_rss_mb": peak_rss, "peak_alloc_mb": 0.0, "peak_reserved_mb": 0.0}
+    if device.type == "cuda":
+        out["peak_alloc_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+    return out
+
+
+def summarize(rows: list[list[float]], global_batch: int, flops_per_sample: float, peak_tflops: float) -> dict[str, float]:
+    """Rank 0's scalars from every rank's window averages (``rows[rank]`` ordered as ``_FIELDS``). Pure."""
+    world = len(rows)
+    col = {f: [r[i] for r in rows] for i, f in enumerate(_FIELDS)}
+    busy = col["busy_s"]
+    slow = max(range(world), key=lambda r: busy[r])
+    med = statistics.median(busy)
+    step_s = max(col["step_s"])
+    out = {
+        "straggler/busy_s_min": min(busy), "straggler/busy_s_median": med, "straggler/busy_s_max": busy[slow],
+        "straggler/slowest_rank": float(slow), "straggler/spread": busy[slow] / med if med > 0 else 1.0,
+        "straggler/step_s_min": min(col["step_s"]), "straggler/step_s_median": statistics.median(col["step_s"]),
+        "straggler/step_s_max": step_s,
+        "perf/samples_per_s_global": global_batch / step_s if step_s > 0 else 0.0,
+        "mem/peak_alloc_mb_max": max(col["peak_alloc_mb"]), "mem/peak_reserved_mb_max": max(col["peak_reserved_mb"]),
+        "mem/rss_mb_max": max(col["rss_mb"]), "mem/peak_rss_mb_max": max(col["peak_rss_mb"]),
+    }
+    out["perf/samples_per_s_per_device"] = out["perf/samples_per_s_global"] / world
+    if flops_per_sample > 0:
+        tflops = flops_per_sample * out["perf/samples_per_s_per_device"] / 1e12
+        out["perf/tflops_per_device"] = tflops
+        if peak_tflops > 0:
+            out["perf/mfu"] = tflops / peak_tflops
+    if world <= 64:  # per-rank series; beyond that min/median/max and the slowest rank say enough
+        for r in range(world):
+            for f in ("busy_s", "data_wait_frac", "peak_alloc_mb", "peak_rss_mb"):
+                out[f"rank/{r}/{f}"] = col[f][r]
+    return out
+
+
+class Observer:
+    """One per rank; the training loop calls ``step_done`` after every optimizer step and ``close`` at the end."""
+
+    def __init__(self, cfg: JobConfig, env: DistEnv, control_group: Any, model: nn.Module, device: torch.device,
+                 global_batch: int, writer: Any, start_step: int) -> None:
+        self.cfg, self.env, self.group, self.device, self.writer = cfg, env, control_group, device, writer
+        self.every = cfg.observe.every or cfg.log.every
+        self.global_batch = global_batch
+        self.next_step = start_step + 1
+        self._last_end = time.perf_counter()
+        self._grads_t: float | None = None
+        self._delayed = False
+        self._seen_data = 0.0
+        self._window = [0.0, 0.0, 0.0, 0]  # step_s, busy_s, data_s, steps
+        self._prof: Any = None
+        self._prof_end = 0
+        self.flops = train_flops_per_sample(model, cfg.data.image_size, device)
+        self.peak_tflops = cfg.observe.peak_tflops or gpu_peak_tflops(device)
+        progress = cfg.run_dir / "progress"
+        progress.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(progress / f"rank-{env.rank:05d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write_progress(start_step, -1)
+        first = next(p for p in model.parameters() if p.requires_grad)
+        first.register_post_accumulate_grad_hook(self._grads_ready)
+        o = cfg.observe
+        if o.debug_delay_s > 0 and o.debug_delay_rank == env.rank:
+            model.register_forward_pre_hook(self._delay)
+        if env.is_main:
+            log.info("observe: %.3g GFLOP per training sample, peak %s TFLOP/s per device, stats every %d steps",
+                     self.flops / 1e9, self.peak_tflops or "unknown (no MFU)", self.every)
+
+    # --- hooks ---
+    def _grads_ready(self, _param: torch.Tensor) -> None:
+        self._grads_t = time.perf_counter()
+        self._write_progress(self.next_step - 1, self.next_step)
+
+    def _delay(self, module: nn.Module, _args: Any) -> None:
+        steps = self.cfg.observe.debug_delay_steps
+        if module.training and not self._delayed and (not steps or self.next_step in steps):
+            self._delayed = True
+            time.sleep(self.cfg.observe.debug_delay_s)
+
+    def _write_progress(self, done: int, grads: int) -> None:
+        line = f"done={done} grads={grads} t={time.time():.3f}\n".ljust(64)
+        os.pwrite(self._fd, line.encode(), 0)
+
+    # --- per step ---
+    def step_done(self, step: int, timer: Any) -> None:
+        now = time.perf_counter()
+        busy = (self._grads_t or now) - self._last_end
+        w = self._window
+        w[0] += now - self._last_end
+        w[1] += busy
+        # metrics.StepTimer accumulates data wait since its last reset (at each log step).
+        w[2] += timer.data_s if timer.steps == 1 else timer.data_s - self._seen_data
+        w[3] += 1
+        self._seen_data = timer.data_s
+        self._last_end, self._grads_t, self._delayed = now, None, False
+        self.next_step = step + 1
+        self._write_progress(step, -1)
+        self._profile(step)
+        if step % self.every == 0:
+            self._publish(step)
+
+    def _publish(self, step: int) -> None:
+        step_s, busy_s, data_s, n = self._window
+        n = max(n, 1)
+        mem = memory_mb(self.device)
+        mine = [step_s / n, busy_s / n, data_s / step_s if step_s > 0 else 0.0] + [mem[f] for f in _FIELDS[3:]]
+        self._window = [0.0, 0.0, 0.0, 0]
+        t = torch.tensor(mine, dtype=torch.float64)
+        rows = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, t, group=self.group)
+        if not self.env.is_main:
+            return
+        scalars = summarize([r.tolist() for r in rows], self.global_batch, self.flops, self.peak_tflops)
+        self.writer.scalars(step, scalars)
+        log.info("step %d: slowest rank %d busy %.3f s (median %.3f s), %.1f samples/s, %.1f samples/s/device%s",
+                 step, int(scalars["straggler/slowest_rank"]), scalars["straggler/busy_s_max"], scalars["straggler/busy_s_median"],
+                 scalars["perf/samples_per_s_global"], scalars["perf/samples_per_s_per_device"],
+                 f", MFU {scalars['perf/mfu']:.1%}" if "perf/mfu" in scalars else "")
+
+    def _profile(self, step: int) -> None:
+        o = self.cfg.observe
+        if o.profile_start and step == o.profile_start and self._prof is None:
+            from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+            # TensorBoard's profile plugin reads <logdir>/plugins/profile/<run>/*.pt.trace.json; one run per window.
+            out = self.cfg.run_dir / "tb" / "plugins" / "profile" / f"step-{step:07d}"
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._prof = profile(activities=acts, on_trace_ready=tensorboard_trace_handler(str(out), worker_name=f"rank{self.env.rank}"))
+            self._prof.start()
+            self._prof_end = step + o.profile_steps
+        elif self._prof is not None and step >= self._prof_end:
+            self._stop_profiler()
+
+    def _stop_profiler(self) -> None:
+        if self._prof is not None:
+            self._prof.stop()  # on_trace_ready writes the trace
+            self._prof = None
+
+    def close(self) -> None:
+        self._stop_profiler()
+        os.close(self._fd)
+
+
+# --- collective timeouts -------------------------------------------------------------------------------
+
+_LINE = re.compile(r"done=(-?\d+) grads=(-?\d+) t=([\d.]+)")
+
+
+def stall_report(run_dir: Path, world_size: int, now: float | None = None) -> str:
+    """Which ranks the others were waiting for, from the progress files. Pure apart from reading them."""
+    now = time.time() if now is None else now
+    state: dict[int, tuple[int, bool, float]] = {}
+    missing = []
+    for r in range(world_size):
+        try:
+            m = _LINE.search((run_dir / "progress" / f"rank-{r:05d}").read_text())
+        except OSError:
+            m = None
+        if m is None:
+            missing.append(r)
+            continue
+        done, grads = int(m.group(1)), int(m.group(2))
+        state[r] = (done, grads == done + 1, float(m.group(3)))
+    parts = [f"rank {r}: completed step {d}, {'gradients of step %d ready, waiting in its all-reduce' % (d + 1) if g else 'computing step %d' % (d + 1)}, "
+             f"last progress {now - t:.1f} s ago" for r, (d, g, t) in sorted(state.items())]
+    if missing:
+        parts.append(f"no progress file for rank(s) {missing} (never started a step, or {run_dir} is not shared)")
+    if not state:
+        return "; ".join(parts)
+    behind = min((d, g) for d, g, _ in state.values())
+    stalled = sorted(r for r, (d, g, _) in state.items() if (d, g) == behind)
+    if len(stalled) == len(state) and not missing:
+        verdict = "all ranks reached the same point: the stall is in the collective itself (network) or outside the step (checkpoint/eval)"
+    else:
+        verdict = f"stalled: rank(s) {stalled} (the others wait for them)"
+    return verdict + ". " + "; ".join(parts)
+
+
+def _looks_like_timeout(err: BaseException) -> bool:
+    text = f"{type(err).__name__} {err}".lower()
+    return "timed out" in text or "timeout" in text and ("collective" in text or "watchdog" in text)
+
+
+@contextlib.contextmanager
+def explain_timeouts(cfg: JobConfig, env: DistEnv) -> Iterator[None]:
+    """Turn a collective timeout into an error that names the stalled rank(s); other errors pass through."""
+    try:
+        yield
+    except Exception as e:
+        if not _looks_like_timeout(e) or isinstance(e, CollectiveTimeout):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        hint = (" NCCL flight recorder dumps (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE) "
+                "show the last collectives per rank; see docs/doctor.md.")
+        raise CollectiveTimeout(
+            f"collective timed out on rank {env.rank} ({first}). {stall_report(cfg.run_dir, env.world_size)}. "
+            f"Fix: look at the stalled rank's log and host; raise dist.train_timeout_s if it is only slow.{hint}"
+        ) from e

@@ -1,0 +1,164 @@
+"""ddp-job doctor on real processes (CPU, gloo): a healthy 2-process torchrun run, and every FAIL produced
+for real -- an unresolvable rendezvous name (in a network namespace with no route out, so no DNS query
+leaves the machine), a port nothing listens on, a read-only run directory and a 1 MiB /dev/shm (private
+mount namespaces via ``unshare -m``), a launcher layout that does not add up, and two ranks given
+different overrides.
+
+The failing cases are independent processes, so one module fixture starts them all at once and the
+tests read their results: on 2 cores that halves the wall time of ~8 `import torch`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, base_env, bin_path, make_data, require_tool
+
+ARGS = ["--data.num-classes", "4", "--data.image-size", "16", "--train.global-batch-size", "8",
+        "--doctor.rendezvous-timeout-s", "2", "--doctor.comm-iters", "3", "--model.name", "resnet18"]
+# Not in ARGS: data.num_workers and doctor.comm_sizes_kb (cases differ; repeated list flags append).
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def contract(rank: int, world: int, port: int, addr: str = "127.0.0.1", **extra: str) -> dict[str, str]:
+    """The explicit env contract (submitit / hand-written launch scripts): one process per rank."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": addr, "MASTER_PORT": str(port), **extra}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_data(tmp_path_factory.mktemp("doctor-data") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, list[dict]]:
+    """Start every failing scenario at once; return each one's processes as {rc, out, run_dir}."""
+    unshare = require_tool("unshare")
+    tmp = tmp_path_factory.mktemp("doctor-fail")
+    doctor = [bin_path("ddp-job"), "doctor", "--data.path", str(data), *ARGS, "--doctor.comm-sizes-kb", "4"]
+    cases: dict[str, list[tuple[list[str], dict[str, str], Path]]] = {}
+
+    def add(name: str, cmd: list[str], extra_env: dict[str, str], run_name: str | None = None, args: list[str] = (),
+            output_dir: Path | None = None) -> None:
+        run_dir = (output_dir or tmp / "runs") / (run_name or name)
+        full = [*cmd, *args, "--run.output-dir", str(run_dir.parent), "--run.name", run_dir.name]
+        cases.setdefault(name, []).append((full, base_env(tmp, **extra_env), run_dir))
+
+    # No interface but a downed loopback: the name cannot resolve, and no query can leave the machine.
+    no_workers = ["--data.num-workers", "0"]
+    add("dns", [unshare, "-n", *doctor, *no_workers], contract(1, 2, 29500, addr="rank0.ddp-job-doctor-test.invalid"))
+    add("port", [*doctor, *no_workers], contract(1, 2, free_port()))
+    ro = tmp / "ro"
+    ro.mkdir()
+    add("readonly", [unshare, "-m", "sh", "-c", f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && exec \"$0\" \"$@\"", *doctor],
+        {}, args=no_workers, output_dir=ro)
+    add("shm", [unshare, "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" \"$@\"", *doctor], {},
+        args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"])
+    port = free_port()
+    for rank in (0, 1):  # claims 2 nodes x 2 processes = 4, but WORLD_SIZE=2
+        add("layout", [*doctor, *no_workers], contract(rank, 2, port, GROUP_WORLD_SIZE="2", GROUP_RANK="0"))
+    port = free_port()
+    for rank in (0, 1):
+        add("config", [*doctor, *no_workers], contract(rank, 2, port), run_name="config", args=["--train.steps", str(5 + rank)])
+    procs = {name: [(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), rd)
+                    for cmd, env, rd in items] for name, items in cases.items()}
+    results = {}
+    for name, items in procs.items():
+        results[name] = []
+        for p, rd in items:
+            out, _ = p.communicate(timeout=900)  # generous: a shared 2-core machine can be 10x slower
+            results[name].append({"rc": p.returncode, "out": out, "run_dir": rd})
+    return results
+
+
+def fail_lines(out: str, name: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(f"FAIL {name}")]
+
+
+def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
+    run_dir = tmp_path / "runs" / "ok"
+    t0 = time.perf_counter()
+    r = subprocess.run([bin_path("torchrun"), "--standalone", "--nproc-per-node=2", "-m", "job", "doctor", "--data.path", str(data), *ARGS,
+                        "--data.num-workers", "0", "--doctor.comm-sizes-kb", "4,64,1024", "--run.output-dir", str(run_dir.parent), "--run.name", "ok"],
+                       env=base_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not fail_lines(r.stdout, "") and "doctor: 0 FAIL" in r.stdout, r.stdout
+    assert "[rank 1]" not in r.stdout  # per-rank PASS details fold into one line
+    report = json.loads((run_dir / "doctor.json").read_text())
+    assert report["world_size"] == 2 and report["launcher"] == "torchrun" and report["backend"] == "gloo"
+    assert {rk["rank"] for rk in report["ranks"]} == {0, 1}
+    assert len({rk["config_hash"] for rk in report["ranks"]}) == 1
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    for name in ("topology.launcher", "topology.layout", "config.same", "versions.same", "rendezvous", "shm",
+                 "storage.writable", "storage.space", "storage.data", "communication.allreduce", "communication.bandwidth"):
+        assert status[name] == "PASS", (name, r.stdout)
+    bw = next(c for c in report["checks"] if c["name"] == "communication.bandwidth")["data"]
+    assert [row["size_bytes"] for row in bw["rows"]] == [4096, 65536, 1048576]
+    for row in bw["rows"]:  # nccl-tests: algbw = bytes / time, busbw = algbw x 2(n-1)/n
+        assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2) and row["busbw_GBps"] > 0
+    assert bw["slowest_rank"] in (0, 1)
+    print(f"doctor on 2 processes: {wall:.1f} s wall (checks {report['wall_s']:.2f} s); gloo busbw "
+          + ", ".join(f"{row['size_bytes'] // 1024} KiB {row['busbw_GBps']:.3f} GB/s" for row in bw["rows"]))
+
+
+def test_unresolvable_rendezvous_name(failures: dict) -> None:
+    (r,) = failures["dns"]
+    lines = fail_lines(r["out"], "rendezvous")
+    assert r["rc"] == 1, r["out"]  # may heal on restart (a pod's DNS name appears late)
+    assert lines and "rank0.ddp-job-doctor-test.invalid" in lines[0] and "does not resolve" in lines[0], r["out"]
+    assert "tries in 2 s" in lines[0]  # bounded retries, not one shot
+
+
+def test_port_nothing_listens_on(failures: dict) -> None:
+    (r,) = failures["port"]
+    lines = fail_lines(r["out"], "rendezvous")
+    assert r["rc"] == 1, r["out"]
+    assert lines and "nothing accepts connections" in lines[0] and "Connection refused" in lines[0], r["out"]
+    assert json.loads((r["run_dir"] / "doctor-rank1.json").read_text())["rank"] == 1
+
+
+def test_read_only_run_dir(failures: dict) -> None:
+    (r,) = failures["readonly"]
+    lines = fail_lines(r["out"], "storage.writable")
+    assert r["rc"] == 2, r["out"]
+    assert lines and "Read-only file system" in lines[0], r["out"]
+    assert "fix: set run.output_dir" in r["out"]
+
+
+def test_tiny_dev_shm(failures: dict) -> None:
+    (r,) = failures["shm"]
+    lines = fail_lines(r["out"], "shm")
+    assert r["rc"] == 2, r["out"]
+    assert lines and "/dev/shm: 1.0 MiB free of 1.0 MiB" in lines[0], r["out"]
+    assert "--shm-size=" in r["out"]
+
+
+def test_world_size_inconsistent_with_launcher_variables(failures: dict) -> None:
+    r0, r1 = failures["layout"]
+    assert (r0["rc"], r1["rc"]) == (2, 2), r0["out"] + r1["out"]
+    lines = fail_lines(r0["out"], "topology.launcher")
+    assert lines and "WORLD_SIZE=2 but 2 node(s) x LOCAL_WORLD_SIZE=2 = 4" in lines[0] and "[all ranks]" in lines[0], r0["out"]
+    assert fail_lines(r0["out"], "topology.layout"), r0["out"]  # the gathered view agrees: 1 node joined, 2 declared
+
+
+def test_mismatched_configs_across_ranks(failures: dict) -> None:
+    r0, r1 = failures["config"]
+    assert (r0["rc"], r1["rc"]) == (2, 2), r0["out"] + r1["out"]  # every rank exits, not only the one that reports
+    lines = fail_lines(r0["out"], "config.same")
+    assert lines and "ranks [1]" in lines[0] and "train.steps: rank 0 5 vs rank 1 6" in lines[0], r0["out"]
+    report = json.loads((r0["run_dir"] / "doctor.json").read_text())
+    assert len({rk["config_hash"] for rk in report["ranks"]}) == 2

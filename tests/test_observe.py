@@ -1,0 +1,105 @@
+"""Observability on real 2-process torchrun runs (CPU, gloo): a rank slowed on purpose is named as the
+straggler in the TensorBoard scalars (read back with TensorBoard's EventAccumulator), a profiler window
+writes per-rank traces where TensorBoard's profile plugin looks, and a collective timeout says which rank
+stalled. Plus the pure pieces: the summary statistics and the stall verdict from progress files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from job.observe import stall_report, summarize
+from tests.conftest import base_env, make_data, torchrun
+
+TINY = ["--data.num-classes", "4", "--data.image-size", "16", "--data.num-workers", "0", "--train.global-batch-size", "8",
+        "--model.name", "resnet18", "--ckpt.every", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_data(tmp_path_factory.mktemp("observe-data") / "tiny")
+
+
+def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+# --- pure ------------------------------------------------------------------------------------------------
+
+def test_summarize_names_the_busiest_rank_and_derives_throughput() -> None:
+    # fields: step_s, busy_s, data_wait_frac, peak_alloc_mb, peak_reserved_mb, rss_mb, peak_rss_mb
+    rows = [[1.0, 0.40, 0.1, 0, 0, 100, 120], [1.0, 0.95, 0.5, 0, 0, 110, 130], [0.9, 0.50, 0.0, 0, 0, 90, 95]]
+    s = summarize(rows, global_batch=96, flops_per_sample=2e9, peak_tflops=100.0)
+    assert s["straggler/slowest_rank"] == 1 and s["straggler/busy_s_max"] == 0.95 and s["straggler/busy_s_median"] == 0.5
+    assert s["straggler/spread"] == pytest.approx(1.9)
+    assert s["perf/samples_per_s_global"] == pytest.approx(96.0) and s["perf/samples_per_s_per_device"] == pytest.approx(32.0)
+    assert s["perf/tflops_per_device"] == pytest.approx(2e9 * 32 / 1e12) and s["perf/mfu"] == pytest.approx(2e9 * 32 / 1e12 / 100)
+    assert s["rank/1/data_wait_frac"] == 0.5 and s["mem/peak_rss_mb_max"] == 130
+    assert "perf/mfu" not in summarize(rows, 96, 2e9, 0.0)  # no peak known: no MFU, but still TFLOP/s
+
+
+def test_stall_report_names_the_rank_that_never_reached_the_collective(tmp_path: Path) -> None:
+    prog = tmp_path / "progress"
+    prog.mkdir()
+    (prog / "rank-00000").write_text("done=7 grads=8 t=100.0\n")
+    (prog / "rank-00001").write_text("done=7 grads=-1 t=90.0\n")
+    (prog / "rank-00002").write_text("done=7 grads=8 t=100.0\n")
+    text = stall_report(tmp_path, 4, now=101.0)
+    assert text.startswith("stalled: rank(s) [1]")
+    assert "rank 1: completed step 7, computing step 8, last progress 11.0 s ago" in text
+    assert "no progress file for rank(s) [3]" in text
+    (prog / "rank-00001").write_text("done=7 grads=8 t=100.0\n")
+    (prog / "rank-00003").write_text("done=7 grads=8 t=100.0\n")
+    assert stall_report(tmp_path, 4, now=101.0).startswith("all ranks reached the same point")
+
+
+# --- real runs ---------------------------------------------------------------------------------------------
+
+def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path, data: Path) -> None:
+    delay = 2.0
+    run_dir = tmp_path / "runs" / "slow"
+    r = torchrun(2, ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "slow",
+                     "--train.steps", "4", "--log.every", "2", "--observe.debug-delay-s", str(delay), "--observe.debug-delay-rank", "1",
+                     "--observe.profile-start", "1", "--observe.profile-steps", "1"], env=base_env(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = scalars(run_dir / "tb")
+    slowest = s["straggler/slowest_rank"]
+    assert [step for step, _ in slowest] == [2, 4]
+    assert all(v == 1 for _, v in slowest), slowest
+    for (_, b1), (_, b0) in zip(s["rank/1/busy_s"], s["rank/0/busy_s"]):
+        assert b1 - b0 > 0.5 * delay, (s["rank/0/busy_s"], s["rank/1/busy_s"])
+    # the fast rank spent the delay waiting: its step takes as long as the slow rank's
+    assert all(v > delay for _, v in s["straggler/step_s_min"])
+    for tag in ("perf/samples_per_s_global", "perf/samples_per_s_per_device", "perf/tflops_per_device", "mem/peak_rss_mb_max",
+                "rank/0/data_wait_frac", "rank/1/data_wait_frac"):
+        assert tag in s and all(v >= 0 for _, v in s[tag]), tag
+    assert s["mem/peak_rss_mb_max"][-1][1] > 50  # a torch process holds far more than 50 MiB
+    assert "perf/mfu" not in s  # CPU: no peak FLOP/s known, so no made-up MFU
+    # TensorBoard's profile plugin: <logdir>/plugins/profile/<run>/<worker>.<ts>.pt.trace.json, one per rank
+    traces = sorted((run_dir / "tb" / "plugins" / "profile").glob("*/*.pt.trace.json"))
+    assert sorted(p.name.split(".")[0] for p in traces) == ["rank0", "rank1"], traces
+    assert {p.parent.name for p in traces} == {"step-0000001"}
+    trace = json.loads(traces[0].read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::convolution_backward" in names and "schemaVersion" in trace
+
+
+def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -> None:
+    run_dir = tmp_path / "runs" / "hang"
+    r = torchrun(2, ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "hang",
+                     "--train.steps", "6", "--log.every", "1", "--doctor.enabled", "false", "--dist.train-timeout-s", "2",
+                     "--observe.debug-delay-s", "12", "--observe.debug-delay-rank", "1", "--observe.debug-delay-steps", "3"],
+                 env=base_env(tmp_path), timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    line = next((ln for ln in out.splitlines() if "CollectiveTimeout: collective timed out on rank 0" in ln), None)
+    assert line is not None, out[-5000:]
+    assert "stalled: rank(s) [1]" in line and "rank 1: completed step 2, computing step 3" in line, line
+    assert "rank 0: completed step 2, gradients of step 3 ready, waiting in its all-reduce" in line, line
