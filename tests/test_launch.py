@@ -176,9 +176,11 @@ def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 240) ->
     ("sig", "on_signal", "expected"),
     [
         (signal.SIGTERM, "143", EXIT_PREEMPTED),  # workers saved and returned 143: resume me
+        # SIGINT tells "saved" (143, read from the workers after torchrun stopped them) from "killed" (128+2)
+        (signal.SIGINT, "143", EXIT_PREEMPTED),
         (signal.SIGINT, None, 128 + signal.SIGINT),  # workers died of the signal: nothing saved
     ],
-    ids=["sigterm-saved", "sigint-killed"],
+    ids=["sigterm-saved", "sigint-saved", "sigint-killed"],
 )
 def test_signal_to_the_agent_reaches_the_workers(tmp_path: Path, sig: signal.Signals, on_signal: str | None, expected: int) -> None:
     proc = _launch(tmp_path, "0:0:60,1:0:60", on_signal)
