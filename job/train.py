@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from job import checkpoint as ckpt
-from job import distributed, metrics
+from job import distributed, doctor, metrics, observe
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.data import build_loaders, to_device, validate_data
 from job.env import DistEnv, detect_env
@@ -80,12 +80,13 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     env = detect_env(environ)
     metrics.setup_console(env.rank, env.world_size)
     plan = preflight(cfg, env)
-    rt = distributed.setup(env, cfg.dist)
+    rt = doctor.setup_checked(cfg, env, environ)  # distributed.setup inside the quick preflight checks
     try:
         log.info("%s pid=%d", env.describe(rt.backend), os.getpid())
         if rt.device.type == "cpu" and cfg.dist.backend == "auto":
             log.info("no GPU visible: training on CPU with gloo") if env.is_main else None
-        return run(cfg, env, plan, rt)
+        with observe.explain_timeouts(cfg, env):  # a collective timeout names the stalled rank
+            return run(cfg, env, plan, rt)
     finally:
         distributed.teardown()
 
@@ -147,6 +148,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
     # --- logging ---
     writer = metrics.build_writer(cfg.log.tensorboard, env.is_main, run_dir)
     writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
+    observer = observe.Observer(cfg, env, rt.control_group, raw_model, device, plan.global_batch_size, writer, state.step)
 
     def save(step: int) -> None:
         saved_step[0] = step
@@ -212,6 +214,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
         state.step += 1
         state.samples_seen += plan.global_batch_size
         timer.end_step()
+        observer.step_done(state.step, timer)  # straggler/throughput/memory stats, profiler window, progress file
         if finite:
             loss_sum += step_loss
         if not first_step_done:
@@ -255,6 +258,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
             print(f"FINAL step={state.step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
                   f"val_loss={results['val/loss']:.4f} val_count={int(results['val/count'])} run_dir={run_dir} tensorboard={run_dir / 'tb'}", flush=True)
     manager.wait()
+    observer.close()
     writer.close()
     stop.restore()
     return exit_code
