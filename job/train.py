@@ -24,16 +24,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from job import checkpoint as ckpt
-from job import distributed, doctor, metrics, observe
+from job import distributed, doctor, metrics, observe, parallel
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.data import build_loaders, to_device, validate_data
 from job.env import DistEnv, detect_env
+from job.ema import build_ema
 from job.exitcodes import EXIT_OK, EXIT_PREEMPTED, BadInput
 from job.model import build_model
 from job.optim import build_optimizer, build_scheduler
 from job.plan import Plan, make_plan
+from job.prefetch import wrap_loaders
 from job.preempt import StopRequest
-from job.resume import check_resumable, rng_state, set_rng_state
+from job.resume import agree_on_checkpoint, find_resume, map_data_position, rng_state, set_rng_state
 
 log = logging.getLogger("job")
 
@@ -57,6 +59,7 @@ class TrainState:
 def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
     """Every check that needs no process group, device or write: bad input fails here with exit 2."""
     plan = make_plan(cfg, env.world_size)
+    parallel.validate(cfg, env.world_size, torch.cuda.is_available())
     if cfg.model.sync_bn and not torch.cuda.is_available():
         raise BadInput("model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel). Fix: --model.sync-bn false, or --model.norm group.")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
@@ -80,18 +83,19 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     env = detect_env(environ)
     metrics.setup_console(env.rank, env.world_size)
     plan = preflight(cfg, env)
+    found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
     rt = doctor.setup_checked(cfg, env, environ)  # distributed.setup inside the quick preflight checks
     try:
         log.info("%s pid=%d", env.describe(rt.backend), os.getpid())
         if rt.device.type == "cpu" and cfg.dist.backend == "auto":
             log.info("no GPU visible: training on CPU with gloo") if env.is_main else None
         with observe.explain_timeouts(cfg, env):  # a collective timeout names the stalled rank
-            return run(cfg, env, plan, rt)
+            return run(cfg, env, plan, rt, found)
     finally:
         distributed.teardown()
 
 
-def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> int:
+def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found: ckpt.Found | None = None) -> int:
     run_dir = cfg.run_dir
     device = rt.device
     if env.is_main:
@@ -99,24 +103,33 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         log.info("plan: %s", plan.describe())
     stop = StopRequest(run_dir)
+    # torchrun --max-restarts restarts workers after ANY non-zero exit, 143 included: a restarted group that
+    # finds the stop file must not delete it as stale and train on while its node is being drained.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if restarted and distributed.all_reduce_max_flag(stop.stop_file.exists(), rt):
+        log.info("stop file %s present after a worker-group restart: exiting %d without training", stop.stop_file, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
     if env.is_main:
         stop.clear_stale_file()
     distributed.barrier(rt)
     stop.install(cfg.train.stop_signals)
+    stop.where = "start-up (before the first step)"
 
     # --- data ---
     distributed.seed_all(cfg.run.seed)
     loaders = build_loaders(cfg.data, env.rank, env.world_size, plan.micro_batch_size, cfg.run.seed, device)
+    loaders = wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last)
 
     # --- model ---
     torch.manual_seed(cfg.run.seed)  # identical init everywhere (DDP also broadcasts rank 0's weights)
     raw_model = build_model(cfg.model, cfg.data.num_classes).to(device)
-    model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = parallel.wrap_model(raw_model, cfg, rt)  # DDP with its knobs/comm hook, or the dp baseline
     train_model: nn.Module = torch.compile(model, mode=cfg.model.compile_mode) if cfg.model.compile else model
 
     # --- optimizer ---
     optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device)
     scheduler = build_scheduler(optimizer, cfg.sched, plan.total_steps)
+    ema = build_ema(raw_model, cfg.ema)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
 
@@ -124,16 +137,19 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and device.type == "cuda")
     manager = ckpt.CheckpointManager(run_dir, cfg.ckpt.keep_last, async_save, env.is_main)
     manager.clean_stale_tmp()
+    stop.busy = manager.in_flight
     state = TrainState()
     saved_step = [-1]  # decided identically on every rank (save() runs a collective)
-    found = ckpt.find_latest(run_dir) if cfg.ckpt.resume else None
+    agree_on_checkpoint(found, rt.control_group)
     if found is not None:
-        check_resumable(found.manifest, cfg, env.world_size)
         saved = ckpt.load_state(found)
         raw_model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         scaler.load_state_dict(saved["scaler"])
+        ema.load(saved.get("ema")) if ema is not None else None
         state = TrainState(**saved["trainer"])
+        if saved["world_size"] != env.world_size:  # allowed by check_resumable: same samples, new split
+            state.micro_batches_in_epoch = map_data_position(saved["trainer"], saved["trainer_plan"], env.world_size, plan.micro_batch_size)
         if saved["trainer_plan"]["total_steps"] == plan.total_steps:
             scheduler.load_state_dict(saved["scheduler"])
         else:  # a new horizon (e.g. --train.steps raised): replay the schedule for it
@@ -152,9 +168,11 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
 
     def save(step: int) -> None:
         saved_step[0] = step
+        parallel.before_save(optimizer)  # ZeRO: gather the optimizer state shards to rank 0 (a collective)
         rngs: list[Any] = [None] * env.world_size
         dist.all_gather_object(rngs, rng_state(device), group=rt.control_group)
-        meta = {"world_size": env.world_size, "config": config_to_dict(cfg), "torch": torch.__version__}
+        meta = {"world_size": env.world_size, "config": config_to_dict(cfg), "torch": torch.__version__,
+                "trainer": asdict(state), "plan": asdict(plan)}  # what preflight checks a resume against
         manager.save(step, lambda: {
             "model": raw_model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -164,6 +182,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
             "trainer_plan": asdict(plan),
             "world_size": env.world_size,
             "rng": rngs,
+            "ema": ema.state_dict() if ema is not None else None,
         }, meta)
 
     # --- loop ---
@@ -179,6 +198,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
         model.train()
         step_loss = torch.zeros((), device=device)
         for micro in range(plan.grad_accum_steps):
+            stop.where = f"step {state.step + 1} micro-batch {micro + 1}/{plan.grad_accum_steps}"
             t0 = time.perf_counter()
             images, labels = to_device(next(batches), device, cfg.model.channels_last)
             timer.add_data_wait(time.perf_counter() - t0)
@@ -212,6 +232,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         state.step += 1
+        ema.update(raw_model, state.step) if ema is not None else None
         state.samples_seen += plan.global_batch_size
         timer.end_step()
         observer.step_done(state.step, timer)  # straggler/throughput/memory stats, profiler window, progress file
@@ -237,10 +258,17 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
             timer.reset()
         if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step < plan.total_steps:
             writer.scalars(state.step, evaluate(raw_model, loaders.val, device, cfg, autocast))
+            if ema is not None:
+                writer.scalars(state.step, {f"ema/{k}": v for k, v in evaluate(ema.module, loaders.val, device, cfg, autocast).items()})
         # --- checkpoint / preemption, at the step boundary, the same step on every rank ---
+        stop.where = f"the boundary after step {state.step}"
         if distributed.all_reduce_max_flag(stop.local(), rt):
             log.info("stop requested (%s): saving at step %d and exiting %d", stop.reason(), state.step, EXIT_PREEMPTED)
             save(state.step)
+            # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
+            # nobody exits before rank 0's checkpoint is on disk.
+            manager.wait()
+            distributed.barrier(rt)
             exit_code = EXIT_PREEMPTED
             break
         if cfg.ckpt.every and state.step % cfg.ckpt.every == 0 and state.step < plan.total_steps:
@@ -250,7 +278,13 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> in
         progress.close()
     if exit_code == EXIT_OK:
         results = evaluate(raw_model, loaders.val, device, cfg, autocast)
+        if ema is not None:
+            results.update({f"ema/{k}": v for k, v in evaluate(ema.module, loaders.val, device, cfg, autocast).items()})
+            log.info("EMA val_top1=%.4f val_loss=%.4f", results["ema/val/top1"], results["ema/val/loss"]) if env.is_main else None
         writer.scalars(state.step, results)
+        comm = parallel.comm_summary(model, plan.grad_accum_steps)
+        if comm and env.is_main:
+            log.info(comm)
         if saved_step[0] != state.step:
             save(state.step)
         writer.hparams(metrics.flatten(config_to_dict(cfg)), {"hparam/" + k: v for k, v in results.items()})
