@@ -269,7 +269,7 @@ class DdpConfig(BaseModel):
     """Gradient communication: none (fp32 all-reduce), bf16/fp16 compression, or PowerSGD low-rank compression."""
     powersgd_rank: int = Field(1, ge=1)
     """powersgd: matrix approximation rank (higher = more accurate, more traffic)."""
-    powersgd_start_iter: int = Field(10, ge=1)
+    powersgd_start_iter: int = Field(10, ge=2)
     """powersgd: plain all-reduce for this many iterations before compressing."""
     comm_stats: bool = False
     """Count gradient all-reduce calls per optimizer step and log them at the end (a counting comm hook)."""

@@ -1,14 +1,29 @@
 """Optimizer with no-decay parameter groups, and the LR schedule from torch.optim.lr_scheduler.
 
+Optimizers: torch SGD / AdamW (fused kernels on CUDA, foreach elsewhere) and the large-batch optimizers
+LARS / LAMB from timm (``timm.optim.Lars``, ``timm.optim.Lamb``: maintained implementations, not ours).
+``optim.zero`` shards any of them over ranks with ZeroRedundancyOptimizer (job.parallel).
+
 The scheduler is stepped once per optimizer step (not per epoch), so ``total_steps`` is the horizon.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR, StepLR, ConstantLR
+from torch.optim.lr_scheduler import (
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    MultiStepLR,
+    OneCycleLR,
+    SequentialLR,
+    StepLR,
+)
 
 from job.config import OptimConfig, SchedConfig
 
@@ -25,22 +40,53 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _impl_kwargs(device: torch.device) -> dict[str, bool]:
-    # fused kernels exist for CUDA; foreach (multi-tensor) is the fast path elsewhere.
-    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+def _impl_kwargs(device: torch.device, zero: bool) -> dict[str, bool]:
+    # fused kernels exist for CUDA; foreach (multi-tensor) is the fast path elsewhere. Under ZeRO, foreach
+    # on CUDA too: ZeroRedundancyOptimizer.load_state_dict moves 0-d "step" tensors to the CPU, which the
+    # fused kernels refuse.
+    return {"fused": True} if device.type == "cuda" and not zero else {"foreach": True}
+
+
+def optimizer_spec(cfg: OptimConfig, lr: float, device: torch.device) -> tuple[type[Optimizer], dict[str, Any]]:
+    """(class, keyword arguments) of the configured optimizer; weight decay comes per parameter group."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD, dict(lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_impl_kwargs(device, cfg.zero))
+    if cfg.name == "adamw":
+        return torch.optim.AdamW, dict(lr=lr, betas=cfg.betas, **_impl_kwargs(device, cfg.zero))
+    from timm.optim import Lamb, Lars  # imported on demand: timm's import costs ~1 s
+
+    if cfg.name == "lars":
+        # Layer-wise trust ratio; timm skips it for the no-decay group (norms, biases) as in You et al. 2017.
+        return Lars, dict(lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, trust_coeff=cfg.trust_coeff)
+    if cfg.name == "lamb":
+        # max_grad_norm=None: timm's LAMB would otherwise clip by the norm of the gradients *it* holds, which
+        # under ZeRO is one rank's shard. Clipping is train.grad_clip_norm's job (global, over all ranks).
+        return Lamb, dict(lr=lr, betas=cfg.betas, max_grad_norm=None)
+    raise ValueError(f"optim.name={cfg.name!r}")  # unreachable: the config's Literal forbids it
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, device: torch.device) -> Optimizer:
     groups = param_groups(model, cfg.weight_decay)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_impl_kwargs(device))
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, **_impl_kwargs(device))
-    raise ValueError(f"optim.name={cfg.name!r}")  # unreachable: the config's Literal forbids it
+    cls, kwargs = optimizer_spec(cfg, lr, device)
+    if cfg.zero:
+        from job.parallel import zero_optimizer
+
+        return zero_optimizer(groups, cls, kwargs)
+    return cls(groups, **kwargs)
 
 
 def build_scheduler(optimizer: Optimizer, cfg: SchedConfig, total_steps: int) -> LRScheduler:
-    """Linear warmup (if any) followed by the main schedule over the remaining steps."""
+    """Linear warmup (if any) followed by the main schedule over the remaining steps.
+
+    Step counts are optimizer steps from the start of training: ``milestones`` are absolute steps; step's
+    ``step_size`` counts from the end of the warmup. One-cycle brings its own warmup (``pct_start``).
+    """
+    if cfg.name == "onecycle":
+        peak = optimizer.param_groups[0]["lr"]
+        # cycle_momentum=False: keep momentum/betas fixed so every optimizer (timm's too) behaves the same.
+        return OneCycleLR(optimizer, max_lr=peak,
+                          total_steps=max(total_steps, 2), pct_start=cfg.pct_start, anneal_strategy="cos",
+                          cycle_momentum=False, div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     main_steps = max(total_steps - warmup, 1)
     if cfg.name == "cosine":
@@ -48,6 +94,9 @@ def build_scheduler(optimizer: Optimizer, cfg: SchedConfig, total_steps: int) ->
         main: LRScheduler = CosineAnnealingLR(optimizer, T_max=main_steps, eta_min=base_lr * cfg.min_lr_factor)
     elif cfg.name == "step":
         main = StepLR(optimizer, step_size=cfg.step_size, gamma=cfg.gamma)
+    elif cfg.name == "multistep":
+        # SequentialLR restarts the main schedule's count at the warmup's end: shift to absolute steps.
+        main = MultiStepLR(optimizer, milestones=[m - warmup for m in cfg.milestones], gamma=cfg.gamma)
     else:
         main = ConstantLR(optimizer, factor=1.0, total_iters=0)
     if warmup == 0:

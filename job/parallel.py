@@ -1,0 +1,172 @@
+"""How the model and optimizer are spread over devices: the DDP/DataParallel wrapper with its knobs and
+gradient-communication hooks, ZeRO optimizer-state sharding, and the TF32 switch.
+
+train.py calls ``validate`` in preflight (bad input fails before any process group exists), ``wrap_model``
+after building the model, ``before_save`` on every rank before a checkpoint and ``comm_summary`` at the end.
+See docs/efficiency.md for what each option costs and buys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim import Optimizer
+
+from job.config import DdpConfig, JobConfig
+from job.exitcodes import BadInput
+
+log = logging.getLogger("job")
+
+
+def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
+    """Refuse combinations that cannot work, before any process group or device work.
+
+    Raises:
+        BadInput: naming the setting, its value and the fix.
+    """
+    if cfg.train.strategy != "dp":
+        return
+    if not cuda_available:
+        raise BadInput(
+            "train.strategy='dp' needs CUDA GPUs: nn.DataParallel splits each batch over the visible GPUs of one "
+            "process, and no GPU is visible. Fix: use --train.strategy ddp (runs on CPU with gloo)."
+        )
+    if world_size > 1:
+        raise BadInput(
+            f"train.strategy='dp' runs in one process, but this job has world_size={world_size} processes. "
+            "Fix: start a single process (ddp-job train without torchrun, or --dist.nproc-per-node 1), "
+            "or use --train.strategy ddp."
+        )
+    for name, value, default in (("ddp.comm_hook", cfg.ddp.comm_hook, "none"), ("optim.zero", cfg.optim.zero, False),
+                                 ("model.sync_bn", cfg.model.sync_bn, False)):
+        if value != default:
+            raise BadInput(f"{name}={value!r} needs train.strategy='ddp' (DataParallel has one process: nothing to "
+                           f"communicate or shard). Fix: --{name.replace('_', '-')} {str(default).lower()}, or --train.strategy ddp.")
+
+
+def apply_tf32(enabled: bool) -> None:
+    """TF32 for fp32 matmuls and cuDNN convolutions (Ampere+). Off = IEEE fp32, which also turns off
+    torch's default of TF32 convolutions, so 'fp32' means the same in every layer."""
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
+
+
+class DataParallelBaseline(nn.DataParallel):
+    """nn.DataParallel with the one method the training loop needs from DDP."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        # One process: gradients land on the first device via autograd; there is no all-reduce to skip.
+        return contextlib.nullcontext()
+
+
+@dataclass
+class CommCounter:
+    """Gradient all-reduce calls seen by the comm hook; ``per_step`` closes at each iteration's last bucket."""
+
+    calls: int = 0
+    per_step: list[int] = field(default_factory=list)
+    buckets: set[int] = field(default_factory=set)
+    current: int = 0
+
+    def hook(self, inner: Any, inner_state: Any) -> Any:
+        # Unannotated on purpose: DDP compares annotations with the real types, and this module's
+        # `from __future__ import annotations` would turn them into strings.
+        def counting_hook(_state, bucket):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            self.current += 1
+            self.buckets.add(bucket.index())
+            if bucket.is_last():
+                self.per_step.append(self.current)
+                self.current = 0
+            return inner(inner_state, bucket)
+
+        return counting_hook
+
+
+def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
+    """(hook, state) for the configured communication; state None = the default process group."""
+    if cfg.comm_hook == "bf16":
+        return default_hooks.bf16_compress_hook, None
+    if cfg.comm_hook == "fp16":
+        return default_hooks.fp16_compress_hook, None
+    if cfg.comm_hook == "powersgd":
+        # Error feedback + warm start: the compression error is re-added next step, so training converges
+        # like plain all-reduce at a fraction of the bytes. Their state lives in memory only (not checkpointed):
+        # after a resume PowerSGD restarts with plain all-reduce for start_iter iterations.
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
+                                            start_powerSGD_iter=cfg.powersgd_start_iter)
+        return powerSGD_hook.powerSGD_hook, state
+    return default_hooks.allreduce_hook, None
+
+
+def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
+    """The training wrapper around ``raw_model`` (already on ``rt.device``): DDP with the configured knobs and
+    comm hook, or the DataParallel baseline. Also applies the TF32 switch (a process-wide setting)."""
+    if rt.device.type == "cuda":
+        apply_tf32(cfg.train.tf32)
+    if cfg.train.strategy == "dp":
+        n = torch.cuda.device_count()
+        log.info("strategy dp: nn.DataParallel over %d visible GPU(s), one process", n)
+        return DataParallelBaseline(raw_model)
+    d = cfg.ddp
+    model = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+                bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
+                static_graph=d.static_graph)
+    hook, state = _hook(d)
+    if d.comm_stats:
+        counter = CommCounter()
+        model.register_comm_hook(state, counter.hook(hook, state))
+        model.job_comm_counter = counter  # read by comm_summary()
+    elif d.comm_hook != "none":  # no hook = DDP's built-in C++ all-reduce (the fastest plain path)
+        model.register_comm_hook(state, hook)
+    return model
+
+
+def comm_summary(model: nn.Module, grad_accum_steps: int) -> str | None:
+    """One log line with the counted all-reduce calls per optimizer step (``ddp.comm_stats``), else None."""
+    counter: CommCounter | None = getattr(model, "job_comm_counter", None)
+    if counter is None:
+        return None
+    # DDP builds its first-iteration buckets from the parameter order and rebuilds them once from the order
+    # gradients became ready, so step 1 may show a different count from the later steps.
+    return (f"comm: all-reduce calls per optimizer step {counter.per_step} (total {counter.calls}), "
+            f"distinct buckets {len(counter.buckets)}, grad_accum_steps {grad_accum_steps}")
+
+
+def zero_optimizer(groups: list[dict], cls: type[Optimizer], kwargs: dict[str, Any]) -> Optimizer:
+    """Optimizer state sharded over the ranks of the default group: each rank keeps and updates the state of
+    its parameters only, then broadcasts the updated parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+
+
+def before_save(optimizer: Optimizer) -> None:
+    """Run on EVERY rank before ``optimizer.state_dict()`` is taken on rank 0 (a collective under ZeRO).
+
+    Decision: consolidate to rank 0, so a checkpoint stays one complete, verifiable ``state.pt`` that
+    resumes with or without ZeRO and at any world size (ZeroRedundancyOptimizer.load_state_dict takes the
+    full state and keeps this rank's part). Cost: rank 0 briefly holds a host copy of the full optimizer
+    state. torch.distributed.checkpoint (sharded files) would avoid that, at the price of a second format.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.consolidate_state_dict(to=0)
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of optimizer-state tensors held by this rank (under ZeRO: its shard only)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if torch.is_tensor(t))
