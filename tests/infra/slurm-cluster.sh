@@ -109,7 +109,8 @@ MinJobAge=600
 KillWait=20
 Waittime=0
 NodeName=$(nodelist) NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$NODE_PORT0-$((NODE_PORT0 + NODES - 1))] CPUs=$cpus Boards=1 SocketsPerBoard=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$(nodelist) Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+# FORCE:4: up to four jobs share a CPU, so the tests can run their jobs side by side
+PartitionName=debug Nodes=$(nodelist) Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
   if [ -f "$CONF" ] && cmp -s "$CONF" "$CONF.new"; then rm "$CONF.new"; return 1; fi
   mv "$CONF.new" "$CONF"; return 0

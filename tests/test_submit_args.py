@@ -1,0 +1,53 @@
+"""job.submit without Slurm: sweeps, the run argv, the stop-signal override, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from job.exitcodes import BadInput
+from job.submit import node_address, parse_sweep, run_argv, sweep_runs, trainer_stop_signals
+
+
+def test_parse_sweep() -> None:
+    assert parse_sweep("optim.lr=0.1,0.2") == ("optim.lr", ["0.1", "0.2"])
+    for bad in ("optim.lr", "lr=0.1", "optim.lr=", "optim.lr=,"):
+        with pytest.raises(BadInput, match="section.field=v1,v2"):
+            parse_sweep(bad)
+
+
+def test_sweep_runs_is_a_grid_with_one_run_name_each() -> None:
+    runs = sweep_runs("exp", ["optim.lr=0.1,0.2", "train.global_batch_size=8,16"])
+    assert [name for name, _ in runs] == [
+        "exp-lr=0.1_global_batch_size=8", "exp-lr=0.1_global_batch_size=16",
+        "exp-lr=0.2_global_batch_size=8", "exp-lr=0.2_global_batch_size=16"]
+    assert runs[1][1] == ["--optim.lr", "0.1", "--train.global-batch-size", "16"]
+    assert sweep_runs("exp", []) == [("exp", [])]
+
+
+def test_stop_signals_leave_submitits_signal_alone() -> None:
+    assert trainer_stop_signals(["--train.steps", "5"], "SIGUSR2") == ["--train.stop-signals", "SIGTERM,SIGINT,SIGUSR1"]
+    assert trainer_stop_signals([], "SIGUSR1") == ["--train.stop-signals", "SIGTERM,SIGINT,SIGUSR2"]
+    assert trainer_stop_signals(["--train.stop-signals", "SIGTERM"], "SIGUSR2") == []
+    with pytest.raises(BadInput, match="includes SIGUSR2"):
+        trainer_stop_signals(["--train.stop-signals=SIGTERM,SIGUSR2"], "SIGUSR2")
+
+
+def test_run_argv_fixes_the_run_directory(tmp_path: Path) -> None:
+    argv = run_argv(["--train.steps", "5"], tmp_path, "r1", ["--optim.lr", "0.1"], "SIGUSR2")
+    assert argv == ["--train.steps", "5", "--optim.lr", "0.1", "--run.output-dir", str(tmp_path), "--run.name", "r1",
+                    "--train.stop-signals", "SIGTERM,SIGINT,SIGUSR1"]
+
+
+def test_node_address_keeps_resolvable_names() -> None:
+    assert node_address("localhost") == "localhost"
+
+
+def test_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "job.submit", "--gpus-per-node", "2", "--tasks-per-node", "3",
+                           "--log-folder", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--tasks-per-node 3 with --gpus-per-node 2" in proc.stderr
