@@ -242,6 +242,8 @@ def _print(merged: list[dict[str, Any]], only_problems: bool) -> None:
         if only_problems and m["status"] == PASS:
             continue
         print(m["line"], flush=True)
+        for row in m["data"].get("rows", []) if not only_problems else []:  # nccl-tests style table
+            print(f"     {row['size_bytes']:>10} B {row['time_us']:>10.0f} us  algbw {row['algbw_GBps']:7.3f} GB/s  busbw {row['busbw_GBps']:7.3f} GB/s", flush=True)
         if m["status"] != PASS and m["fix"]:
             print(f"     fix: {m['fix']}", flush=True)
 

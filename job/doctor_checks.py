@@ -131,14 +131,22 @@ def check_rendezvous(env: DistEnv, timeout_s: float, hosts_store: bool) -> Check
                      "set MASTER_ADDR to rank 0's resolvable host name or IP (Kubernetes: the master pod's service must exist)")
     addrs = sorted({i[4][0] for i in infos})
     if hosts_store:
-        try:
-            with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+        family, addr = infos[0][0], infos[0][4][0]
+        try:  # the store listens on all interfaces at MASTER_PORT, as TCPStore does
+            with socket.socket(family, socket.SOCK_STREAM) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((infos[0][4][0], port))
+                s.bind(("", port))
         except OSError as e:
-            why = "is not an address of this host" if e.errno == errno.EADDRNOTAVAIL else f"cannot be bound ({e.strerror})"
-            return Check("rendezvous", FAIL, f"{where} ({addrs[0]}) {why}, but rank 0 opens the rendezvous store there",
-                         "run rank 0 on MASTER_ADDR's host and pick a free MASTER_PORT")
+            return Check("rendezvous", FAIL, f"{where}: rank 0 cannot open the rendezvous store on port {port} ({e.strerror})",
+                         "pick a free MASTER_PORT (another job or a stale process holds this one)")
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr, 0))
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+            return Check("rendezvous", WARN, f"{where} resolves to {addr}, not an address of this host where rank 0 runs",
+                         "fine if MASTER_ADDR forwards to this host (a Service); otherwise run rank 0 on MASTER_ADDR's host")
         return Check("rendezvous", PASS, f"{where} resolves to {', '.join(addrs)}; port free for rank 0's store", data={"addrs": addrs})
 
     def connect() -> None:

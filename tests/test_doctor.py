@@ -162,3 +162,18 @@ def test_mismatched_configs_across_ranks(failures: dict) -> None:
     assert lines and "ranks [1]" in lines[0] and "train.steps: rank 0 5 vs rank 1 6" in lines[0], r0["out"]
     report = json.loads((r0["run_dir"] / "doctor.json").read_text())
     assert len({rk["config_hash"] for rk in report["ranks"]}) == 2
+
+
+def test_rank0_store_port_already_taken() -> None:
+    """Outside torchrun rank 0 opens the store itself: a port another process listens on is a FAIL there."""
+    from job.doctor_checks import check_rendezvous
+    from job.env import DistEnv
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        c = check_rendezvous(DistEnv(0, 0, 2, 2, 0, 1, "127.0.0.1", port, "env"), 1.0, hosts_store=True)
+        assert (c.status, "Address already in use" in c.detail) == ("FAIL", True), c
+    c = check_rendezvous(DistEnv(0, 0, 2, 2, 0, 1, "127.0.0.1", port, "env"), 1.0, hosts_store=True)
+    assert c.status == "PASS", c  # released: free again
