@@ -1,0 +1,438 @@
+"""Run a rendered PyTorchJob pod by pod, as the Kubeflow training operator (v1.9.4) and kubelet would.
+
+Follows the simulation recipe of the operator's behaviour (OPERATOR-BEHAVIOUR.md §8), with one
+network namespace per pod on a private bridge:
+
+* pods ``<job>-master-0`` / ``<job>-worker-<i>`` (§2), each with its own IP, hostname, mount and PID
+  namespace (tests/k8s_pod.py), its own ``/etc/hosts`` (``ip netns exec`` bind-mounts
+  ``/etc/netns/NS/hosts``) that always holds its own name and holds the other pods' names only while
+  their container runs: what the headless Services' DNS records do (Ready pods only);
+* the operator's environment appended after the container's own ``env`` (§3, ``operator_env``);
+* worker pods wait for ``<job>-master-0`` to resolve first (the ``init-pytorch`` init container);
+* the container's ``command`` + ``args`` executed as written, against the installed package (no image
+  registry here): ``PATH`` starts with the project's venv; ConfigMaps become read-only directories,
+  the PVC one shared directory, ``emptyDir: {medium: Memory}`` a size-limited tmpfs;
+* restarts per ``restartPolicy`` (§4) with the kubelet's CrashLoopBackOff, the job's conditions (§5),
+  ``backoffLimit`` and ``cleanPodPolicy`` (§6); evicted pods (node drain) are recreated with a new IP.
+
+Addresses come from 10.232.0.0/24 and exist only inside these namespaces; the bridge ``k8sbr0`` has
+no address in the host namespace, so no traffic leaves them. Needs root, iproute2 and mount.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"
+BRIDGE, PREFIX, NS_PREFIX = "k8sbr0", "10.232.0", "k8s-"
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+NAMESPACE, CLUSTER_DOMAIN = "default", "cluster.local"
+RETRYABLE = 128  # ExitCode policy: exit codes >= 128 are retried (§4)
+EVICTED = 0xBEEF  # the operator's sentinel when no terminated state is found
+
+
+# ----------------------------------------------------------------------------- pure operator logic
+def replica_types(job: dict) -> dict[str, dict]:
+    """pytorchReplicaSpecs after the controller's defaulting (§1c): Master/Worker keys, replicas 1,
+    restartPolicy OnFailure."""
+    out = {}
+    for key, rs in job["spec"]["pytorchReplicaSpecs"].items():
+        rs = dict(rs)
+        rs.setdefault("replicas", 1)
+        rs.setdefault("restartPolicy", "OnFailure")
+        out[key.capitalize()] = rs
+    return out
+
+
+def pod_names(job: dict) -> list[tuple[str, int, str]]:
+    """(replica type, index, pod name) of every pod the operator creates (§2), Master first."""
+    name = job["metadata"]["name"]
+    types = replica_types(job)
+    return [(t, i, f"{name}-{t.lower()}-{i}".replace("/", "-"))
+            for t in ("Master", "Worker") if t in types for i in range(types[t]["replicas"])]
+
+
+def _port(rs: dict) -> int:
+    c = next(c for c in rs["template"]["spec"]["containers"] if c["name"] == "pytorch")
+    return next((p["containerPort"] for p in c.get("ports") or [] if p.get("name") == "pytorchjob-port"), 23456)
+
+
+def operator_env(job: dict, rtype: str, index: int) -> list[tuple[str, str]]:
+    """The variables the operator appends to every container of pod (rtype, index), in its order (§3)."""
+    spec, name = job["spec"], job["metadata"]["name"]
+    types = replica_types(job)
+    elastic = spec.get("elasticPolicy")
+    nproc = spec.get("nprocPerNode")
+    if nproc is None and not (elastic and elastic.get("nProcPerNode") is not None):
+        nproc = "auto"
+    nproc_int = int(nproc) if isinstance(nproc, str) and nproc.isdigit() else 1
+    total = sum(rs["replicas"] for rs in types.values())
+    rank = 0 if rtype == "Master" else index + ("Master" in types)
+    env = [("PYTHONUNBUFFERED", "1")]
+    if "Master" in types:
+        port = str(_port(types["Master"]))
+        env += [("MASTER_PORT", port), ("PET_MASTER_PORT", port), ("MASTER_ADDR", f"{name}-master-0"),
+                ("PET_MASTER_ADDR", f"{name}-master-0"), ("WORLD_SIZE", str(total * nproc_int)),
+                ("RANK", str(rank)), ("PET_NODE_RANK", str(rank))]
+    if nproc is not None:
+        env.append(("PET_NPROC_PER_NODE", str(nproc)))
+    if elastic is not None:
+        workers = types["Worker"]["replicas"]
+        lo, hi = elastic.get("minReplicas"), elastic.get("maxReplicas")
+        lo, hi = (lo or hi or workers), (hi or lo or workers)
+        host = elastic.get("rdzvHost") or f"{name}-worker-0"
+        env += [("PET_RDZV_ENDPOINT", f"{host}:{elastic.get('rdzvPort') or _port(types['Worker'])}"),
+                ("PET_RDZV_BACKEND", elastic.get("rdzvBackend") or "c10d"), ("PET_NNODES", f"{lo}:{hi}")]
+        if elastic.get("maxRestarts") is not None:
+            env.append(("PET_MAX_RESTARTS", str(elastic["maxRestarts"])))
+        if elastic.get("nProcPerNode") is not None:
+            env.append(("PET_NPROC_PER_NODE", str(elastic["nProcPerNode"])))
+        if elastic.get("rdzvId") is not None:
+            env.append(("PET_RDZV_ID", str(elastic["rdzvId"])))
+        if elastic.get("rdzvConf"):
+            env.append(("PET_RDZV_CONF", ",".join(f"{kv['key']}={kv['value']}" for kv in elastic["rdzvConf"])))
+        if elastic.get("standalone"):
+            env.append(("PET_STANDALONE", ""))
+    else:
+        env.append(("PET_NNODES", str(total)))
+    return env
+
+
+def backoff_s(restarts: int, base: float) -> float:
+    """kubelet's CrashLoopBackOff before restart number ``restarts`` (1-based): 10 s doubling to 5 min."""
+    return min(base * 2 ** (restarts - 1), 30 * base)
+
+
+def _tmpfs_size(quantity: str | None) -> str:
+    m = re.fullmatch(r"(\d+)([KMGT]i)?", quantity or "64Mi")  # runtime default /dev/shm: 64 MiB
+    if not m:
+        raise ValueError(f"emptyDir sizeLimit={quantity!r}: the simulation supports <n>Ki/Mi/Gi/Ti")
+    return m.group(1) + (m.group(2) or "")[:1].lower()
+
+
+# ----------------------------------------------------------------------------- pods
+@dataclass
+class Pod:
+    name: str
+    rtype: str
+    index: int
+    netns: str
+    veth: int
+    ip: str = ""
+    phase: str = "Pending"  # Pending, Running, Succeeded, Failed
+    reason: str = ""
+    restarts: int = 0
+    generation: int = 0  # +1 per (re)creation by the operator
+    exit_codes: list[int] = field(default_factory=list)
+    ready: bool = False
+    deleting: bool = False
+    pid1: int | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
+class Simulation:
+    """The operator + kubelets for one rendered manifest set. Use as a context manager: the
+    namespaces, bridge, hosts files and processes are removed on exit, also after a failure."""
+
+    def __init__(self, docs: list[dict], workdir: Path, *, backoff_base_s: float = 10.0,
+                 venv: Path = REPO / ".venv") -> None:
+        self.job = next(d for d in docs if d["kind"] == "PyTorchJob")
+        self.config_maps = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d["kind"] == "ConfigMap"}
+        self.workdir, self.venv, self.backoff_base_s = workdir, venv, backoff_base_s
+        self.types = replica_types(self.job)
+        self.pods = {n: Pod(n, t, i, NS_PREFIX + n, k) for k, (t, i, n) in enumerate(pod_names(self.job))}
+        self.events: list[tuple[float, str, str]] = []
+        self._lock = threading.RLock()
+        self._next_ip = 10
+        self._made_dirs: list[Path] = []
+        self.condition = "Created"
+
+    # --------------------------------------------------------------------- network
+    def __enter__(self) -> Simulation:
+        teardown(quiet=True)  # a previous run killed hard may have left its namespaces
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        _ip("link", "add", BRIDGE, "type", "bridge")
+        _ip("link", "set", BRIDGE, "up")  # no address: the host cannot reach 10.232.0.0/24
+        for pod in self.pods.values():
+            ns = pod.netns
+            _ip("netns", "add", ns)
+            _ip("link", "add", f"k8sv{pod.veth}", "type", "veth", "peer", "name", f"k8sp{pod.veth}")
+            _ip("link", "set", f"k8sv{pod.veth}", "master", BRIDGE, "up")
+            _ip("link", "set", f"k8sp{pod.veth}", "netns", ns)
+            _ip("-n", ns, "link", "set", f"k8sp{pod.veth}", "name", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
+            Path(f"/etc/netns/{ns}/resolv.conf").write_text("")  # no DNS server: lookups stay local
+            Path(f"/etc/netns/{ns}/hosts").write_text("")
+        for pod in self.pods.values():
+            self._assign_ip(pod)
+        for mount in {m["mountPath"] for rs in self.types.values()
+                      for c in rs["template"]["spec"]["containers"] for m in c.get("volumeMounts") or []}:
+            if not Path(mount).exists():  # bind-mount targets must exist on the host's filesystem
+                Path(mount).mkdir(parents=True)
+                self._made_dirs.append(Path(mount))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pod in self.pods.values():
+            pod.stop.set()
+        teardown(quiet=True)
+        for pod in self.pods.values():
+            if pod.thread:
+                pod.thread.join(timeout=10)
+        for d in self._made_dirs:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+    def _assign_ip(self, pod: Pod) -> None:
+        """A new pod gets a new IP (a restarted container keeps its pod's)."""
+        pod.ip = f"{PREFIX}.{self._next_ip}"
+        self._next_ip += 1
+        _ip("-n", pod.netns, "addr", "flush", "dev", "eth0")
+        _ip("-n", pod.netns, "addr", "add", f"{pod.ip}/24", "dev", "eth0")
+        self._publish()
+
+    def _publish(self) -> None:
+        """Rewrite every pod's /etc/hosts in place (the file is bind-mounted into running pods): its
+        own name (kubelet) plus the Services of Ready pods (cluster DNS)."""
+        with self._lock:
+            ready = [p for p in self.pods.values() if p.ready]
+            for pod in self.pods.values():
+                lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}"]
+                lines += [f"{p.ip} {p.name} {p.name}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}" for p in ready if p is not pod]
+                try:
+                    with open(f"/etc/netns/{pod.netns}/hosts", "r+") as f:
+                        f.truncate(0)
+                        f.write("\n".join(lines) + "\n")
+                except FileNotFoundError:  # torn down while a kubelet thread was still finishing
+                    return
+
+    def _event(self, pod: str, what: str) -> None:
+        with self._lock:
+            self.events.append((time.monotonic(), pod, what))
+
+    # --------------------------------------------------------------------- kubelet
+    def _container(self, pod: Pod) -> tuple[dict, dict]:
+        tmpl = self.types[pod.rtype]["template"]["spec"]
+        return tmpl, next(c for c in tmpl["containers"] if c["name"] == "pytorch")
+
+    def _spec(self, pod: Pod, run: int) -> dict:
+        tmpl, c = self._container(pod)
+        volumes = {v["name"]: v for v in tmpl.get("volumes") or []}
+        mounts = []
+        for m in c.get("volumeMounts") or []:
+            vol = volumes[m["name"]]
+            if "configMap" in vol:
+                src = self.workdir / "configmaps" / vol["configMap"]["name"]
+                src.mkdir(parents=True, exist_ok=True)
+                for key, text in self.config_maps[vol["configMap"]["name"]].items():
+                    (src / key).write_text(text)
+                mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": True})
+            elif "persistentVolumeClaim" in vol:
+                src = self.workdir / "pvc" / vol["persistentVolumeClaim"]["claimName"]
+                src.mkdir(parents=True, exist_ok=True)
+                mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"],
+                               "read_only": bool(m.get("readOnly"))})
+            elif vol.get("emptyDir", {}).get("medium") == "Memory":
+                mounts.append({"kind": "tmpfs", "target": m["mountPath"], "size": _tmpfs_size(vol["emptyDir"].get("sizeLimit"))})
+            elif "emptyDir" in vol:  # survives container restarts, not a new pod
+                src = self.workdir / "pods" / f"{pod.name}.{pod.generation}" / m["name"]
+                src.mkdir(parents=True, exist_ok=True)
+                mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"]})
+            else:
+                raise ValueError(f"{pod.name}: volume {m['name']!r} {vol}: the simulation supports "
+                                 "configMap, persistentVolumeClaim and emptyDir")
+        env = {"PATH": f"{self.venv}/bin:{IMAGE_PATH}", "HOSTNAME": pod.name}
+        for e in c.get("env") or []:  # the user's env first ...
+            if "value" not in e and "valueFrom" in e:
+                raise ValueError(f"{pod.name}: env {e['name']} uses valueFrom, not simulated")
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e.get("value", ""))
+        env.update(operator_env(self.job, pod.rtype, pod.index))  # ... then the operator's, which win
+        return {"hostname": pod.name, "command": [*(c.get("command") or []), *(c.get("args") or [])],
+                "env": env, "cwd": c.get("workingDir", "/"), "mounts": mounts,
+                "pid_file": str(self.workdir / "pods" / f"{pod.name}.{pod.generation}.{run}.pid")}
+
+    def _wait_for_master(self, pod: Pod) -> bool:
+        """The init-pytorch init container: nslookup <job>-master-0 up to 100 times, 2 s apart."""
+        master = f"{self.job['metadata']['name']}-master-0"
+        for _ in range(100):
+            if subprocess.run(["ip", "netns", "exec", pod.netns, "getent", "hosts", master],
+                              capture_output=True).returncode == 0:
+                return True
+            if pod.stop.wait(2):
+                return False
+        return False
+
+    def _kubelet(self, pod: Pod) -> None:
+        policy = self.types[pod.rtype]["restartPolicy"]
+        pod_policy = "Never" if policy == "ExitCode" else policy
+        if pod.rtype == "Worker" and "Master" in self.types and not self._wait_for_master(pod):
+            pod.phase, pod.reason = "Failed", "Init:Error"
+            pod.exit_codes.append(EVICTED)
+            return
+        run = 0
+        while not pod.stop.is_set():
+            spec = self._spec(pod, run)
+            spec_path = Path(spec["pid_file"]).with_suffix(".json")
+            spec_path.write_text(json.dumps(spec))
+            log = open(self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log", "w")
+            proc = subprocess.Popen(["ip", "netns", "exec", pod.netns, sys.executable, str(POD_SHIM), str(spec_path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env={"PATH": IMAGE_PATH},
+                                    start_new_session=True)
+            pid_file = Path(spec["pid_file"])  # the shim creates it first and writes the PID after the fork
+            while proc.poll() is None and not (pid_file.exists() and pid_file.read_text()):
+                time.sleep(0.01)
+            pod.pid1 = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text() else None
+            pod.phase, pod.ready = "Running", True  # no readiness probe: Ready once started
+            self._publish()
+            self._event(pod.name, f"started ip={pod.ip} run={run}")
+            rc = proc.wait()
+            log.close()
+            pod.ready, pod.pid1 = False, None
+            self._publish()
+            pod.exit_codes.append(rc)
+            self._event(pod.name, f"exited {rc}")
+            if pod.deleting or pod.stop.is_set():
+                pod.phase, pod.reason = "Failed", "Deleted"
+                return
+            if pod_policy == "Always" or (pod_policy == "OnFailure" and rc != 0):
+                pod.restarts += 1
+                run += 1
+                if pod.stop.wait(backoff_s(pod.restarts, self.backoff_base_s)):
+                    return
+                continue
+            pod.phase = "Succeeded" if rc == 0 else "Failed"
+            return
+
+    def _create(self, pod: Pod) -> None:
+        pod.phase, pod.reason, pod.restarts, pod.deleting = "Pending", "", 0, False
+        pod.stop = threading.Event()
+        pod.thread = threading.Thread(target=self._kubelet, args=(pod,), name=pod.name, daemon=True)
+        self._event(pod.name, f"created generation={pod.generation}")
+        pod.thread.start()
+
+    # --------------------------------------------------------------------- the test's controls
+    def start(self, only: list[str] | None = None) -> None:
+        """Create the pods (all, or ``only`` these: the others stay unscheduled until ``add``)."""
+        self.condition = "Running"
+        for name in only or list(self.pods):
+            self._create(self.pods[name])
+
+    def add(self, name: str) -> None:
+        """A pod that the scheduler places late (e.g. a node that came up later)."""
+        self._create(self.pods[name])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal the container's PID 1; SIGKILL takes every process of the pod with it."""
+        pid = self.pods[name].pid1
+        if pid is None:
+            raise RuntimeError(f"pod {name} has no running container to signal")
+        os.kill(pid, sig)
+        self._event(name, f"signal {signal.Signals(sig).name}")
+
+    def evict(self, names: list[str]) -> None:
+        """Node drain: each pod is deleted (SIGTERM, SIGKILL after terminationGracePeriodSeconds),
+        reaches phase Failed, and the operator recreates it under the same name with a new IP."""
+        for name in names:
+            pod = self.pods[name]
+            pod.deleting = True
+            grace = self._container(pod)[0].get("terminationGracePeriodSeconds", 30)
+            self.kill(name, signal.SIGTERM)
+            timer = threading.Timer(grace, lambda p=pod, gen=pod.generation: p.generation == gen
+                                    and p.pid1 and os.kill(p.pid1, signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+
+    def restarts_of_running_pods(self) -> int:
+        return sum(p.restarts for p in self.pods.values() if p.phase == "Running")
+
+    def wait(self, timeout: float) -> str:
+        """Reconcile until the job is Succeeded or Failed (§4-§6); returns the condition."""
+        deadline = time.monotonic() + timeout
+        limit = (self.job["spec"].get("runPolicy") or {}).get("backoffLimit")
+        while time.monotonic() < deadline:
+            for pod in self.pods.values():
+                policy = self.types[pod.rtype]["restartPolicy"]
+                if pod.phase != "Failed" or pod.thread is None or pod.thread.is_alive():
+                    continue
+                code = pod.exit_codes[-1] if pod.exit_codes else EVICTED
+                if policy == "Never" or (policy == "ExitCode" and code < RETRYABLE and not pod.deleting):
+                    return self._finish("Failed")
+                pod.generation += 1  # OnFailure/Always after eviction, ExitCode >= 128: a new pod
+                self._event(pod.name, f"recreate after {pod.reason or code}")
+                self._assign_ip(pod)
+                self._create(pod)
+            if limit is not None and self.restarts_of_running_pods() >= max(limit, 1):
+                return self._finish("Failed")
+            phases = {p.name: p.phase for p in self.pods.values() if p.rtype == "Worker"}
+            if "Master" in self.types:
+                if next(p for p in self.pods.values() if p.rtype == "Master").phase == "Succeeded":
+                    return self._finish("Succeeded")
+            elif phases and (all(v == "Succeeded" for v in phases.values())
+                             or ("elasticPolicy" in self.job["spec"] and "Succeeded" in phases.values())):
+                return self._finish("Succeeded")
+            time.sleep(0.2)
+        raise TimeoutError(f"job still {self.condition} after {timeout} s; pods: "
+                           f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}")
+
+    def _finish(self, condition: str) -> str:
+        self.condition = condition
+        clean = (self.job["spec"].get("runPolicy") or {}).get("cleanPodPolicy", "None")
+        for pod in self.pods.values():
+            if clean != "None" and pod.phase in ("Running", "Pending"):
+                pod.stop.set()
+                if pod.pid1:
+                    os.kill(pod.pid1, signal.SIGKILL)
+        self._event("job", condition)
+        return condition
+
+    def log(self, name: str) -> str:
+        """Every container run of this pod, in order."""
+        files = sorted((self.workdir / "logs").glob(f"{name}.*.log"),
+                       key=lambda p: tuple(int(x) for x in p.name.split(".")[-3:-1]))
+        return "".join(f.read_text(errors="replace") for f in files)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def teardown(quiet: bool = False) -> None:
+    """Remove every k8s-* namespace (killing what runs there), their hosts files, veths and the bridge."""
+    for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n"):
+        ns = ns.split(" ")[0]
+        if not ns.startswith(NS_PREFIX):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:  # only processes we started live in our namespaces
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines():
+        name = line.split(": ")[1].split("@")[0] if ": " in line else ""
+        if re.fullmatch(r"k8sv\d+", name):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+    try:
+        Path("/etc/netns").rmdir()
+    except OSError:
+        pass

@@ -1,0 +1,173 @@
+"""The rendered PyTorchJob, run pod by pod as the training operator and kubelet would (tests/k8s_sim.py).
+
+Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace; the
+container's command runs as written with the operator's environment; restarts follow restartPolicy.
+Faults: kill -9 of a worker pod, SIGTERM to every pod (node drain), a worker pod that joins late.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import k8s_sim as ks
+import k8s_validate as kv
+
+pytestmark = [pytest.mark.netns, pytest.mark.integration]
+TIMEOUT = 420  # per job; a loaded 2-core machine is 5-10x slower than an idle one
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        pytest.fail(msg) if os.environ.get("CI") == "true" else pytest.skip(msg)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _requirements() -> None:
+    _need(os.geteuid() == 0, "the operator simulation needs root (network namespaces, mounts)")
+    for tool in ("ip", "mount", "getent", "kubectl"):
+        _need(shutil.which(tool) is not None, f"{tool} not found: install iproute2/mount/libc-bin/kubectl")
+    _need((ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
+          "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv")
+
+
+def _wait_for(what: str, cond: Callable[[], bool], timeout: float = TIMEOUT) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"no {what} after {timeout} s")
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _run_dir(sim: ks.Simulation, name: str) -> Path:
+    return sim.workdir / "pvc" / "ddp-job-workspace" / "runs" / name
+
+
+def _final_step(log: str) -> int:
+    return int(re.findall(r"^FINAL step=(\d+)", log, re.M)[-1])
+
+
+def _resumed_steps(log: str) -> list[int]:
+    return [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)", log)]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if item)
+
+
+def test_operator_env_matches_the_worked_example() -> None:
+    """§3's worked example: resnet-ddp, nprocPerNode "8", Master 1 + Worker 3, no port declared."""
+    tmpl = {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}}
+    job = {"metadata": {"name": "resnet-ddp"}, "spec": {"nprocPerNode": "8", "pytorchReplicaSpecs": {
+        "Master": {"replicas": 1, "template": tmpl}, "Worker": {"replicas": 3, "template": tmpl}}}}
+    assert [n for *_, n in ks.pod_names(job)] == ["resnet-ddp-master-0"] + [f"resnet-ddp-worker-{i}" for i in range(3)]
+    assert dict(ks.operator_env(job, "Master", 0)) == {
+        "PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456",
+        "MASTER_ADDR": "resnet-ddp-master-0", "PET_MASTER_ADDR": "resnet-ddp-master-0", "WORLD_SIZE": "32",
+        "RANK": "0", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "8", "PET_NNODES": "4"}
+    assert dict(ks.operator_env(job, "Worker", 2))["RANK"] == "3"
+    el = {"metadata": {"name": "e"}, "spec": {"elasticPolicy": {"maxRestarts": 3}, "pytorchReplicaSpecs": {
+        "Worker": {"replicas": 2, "template": tmpl}}}}
+    assert dict(ks.operator_env(el, "Worker", 1)) == {
+        "PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "auto", "PET_RDZV_ENDPOINT": "e-worker-0:23456",
+        "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:2", "PET_MAX_RESTARTS": "3"}
+
+
+def test_two_pods_train_to_completion(tmp_path: Path) -> None:
+    """cpu-smoke as rendered: Master + 1 Worker x 2 processes finish; each pod sees exactly the
+    container env + the operator's env, its own hostname, and resolves the other pod by name."""
+    docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
+    with ks.Simulation(docs, tmp_path) as sim:
+        sim.start()
+        master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
+        _wait_for("running containers", lambda: master.pid1 is not None and worker.pid1 is not None)
+        env = _environ(worker.pid1)
+        assert {k: env.get(k) for k, _ in ks.operator_env(sim.job, "Worker", 0)} == dict(
+            ks.operator_env(sim.job, "Worker", 0))
+        assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
+        assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and "LOCAL_RANK" not in env
+        assert "/root" not in env.get("HOME", "")  # the host's environment does not leak in
+        uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
+        assert uts.stdout.strip() == "ddp-smoke-worker-0"
+        hosts = Path(f"/etc/netns/{worker.netns}/hosts").read_text()
+        assert f"{worker.ip} ddp-smoke-worker-0" in hosts and f"{master.ip} ddp-smoke-master-0" in hosts
+        assert sim.wait(TIMEOUT) == "Succeeded"
+    log_m, log_w = sim.log(master.name), sim.log(worker.name)
+    assert "node 0/2 launcher=torchrun backend=gloo" in log_m and "rank 3/4 local 1/2 node 1/2" in log_w
+    # The job succeeds when the Master does; cleanPodPolicy Running then stops a worker still in
+    # torchrun's exit barrier, as the operator would.
+    assert _final_step(log_m) == 20 and master.exit_codes == [0] and len(worker.exit_codes) == 1
+    assert (_run_dir(sim, "cpu-smoke") / "step-0000020").is_dir()
+    assert (_run_dir(sim, "cpu-smoke") / "tb").is_dir()
+
+
+def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
+    """kill -9 of a worker pod's processes: the container exits 137 and restarts in place
+    (OnFailure, after the kubelet's back-off); the master's trainers lose their peer and restart
+    too; training resumes from the newest checkpoint and finishes."""
+    docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
+    with ks.Simulation(docs, tmp_path) as sim:
+        sim.start()
+        run_dir = _run_dir(sim, "cpu-smoke")
+        _wait_for("checkpoint step 5", lambda: (run_dir / "step-0000005").is_dir())
+        sim.kill("ddp-smoke-worker-0", signal.SIGKILL)
+        t_kill = time.monotonic()
+        _wait_for("a resume", lambda: _resumed_steps(sim.log("ddp-smoke-master-0")))
+        resume_s = time.monotonic() - t_kill
+        assert sim.wait(TIMEOUT) == "Succeeded"
+    worker, master = sim.pods["ddp-smoke-worker-0"], sim.pods["ddp-smoke-master-0"]
+    print(f"\nkill -9 worker pod -> trainers resumed after {resume_s:.1f} s (kubelet back-off 10 s)")
+    assert worker.exit_codes[0] == 137 and worker.restarts >= 1 and worker.generation == 0
+    assert master.exit_codes[0] != 0 and master.exit_codes[-1] == 0
+    resumed = _resumed_steps(sim.log(master.name))
+    assert resumed and resumed[0] >= 5
+    assert _final_step(sim.log(master.name)) == 20
+
+
+def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
+    """SIGTERM to every pod (eviction): the trainers save at the next step boundary, every container
+    exits 143, the operator recreates the pods (new IPs), and they resume from that checkpoint."""
+    docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
+    with ks.Simulation(docs, tmp_path) as sim:
+        sim.start()
+        run_dir = _run_dir(sim, "cpu-smoke")
+        _wait_for("checkpoint step 5", lambda: (run_dir / "step-0000005").is_dir())
+        old_ips = {n: p.ip for n, p in sim.pods.items()}
+        sim.evict(list(sim.pods))
+        t_drain = time.monotonic()
+        _wait_for("a resume", lambda: _resumed_steps(sim.log("ddp-smoke-master-0")))
+        resume_s = time.monotonic() - t_drain
+        assert sim.wait(TIMEOUT) == "Succeeded"
+    print(f"\nnode drain -> trainers resumed after {resume_s:.1f} s")
+    for name, pod in sim.pods.items():
+        assert pod.exit_codes[0] == 143, (name, pod.exit_codes)
+        assert pod.generation == 1 and pod.ip != old_ips[name]
+    stopped = re.findall(r"saving at step (\d+) and exiting 143", sim.log("ddp-smoke-master-0"))
+    resumed = _resumed_steps(sim.log("ddp-smoke-master-0"))
+    assert stopped and resumed[0] == int(stopped[0]) >= 5
+    assert _final_step(sim.log("ddp-smoke-master-0")) == 20
+
+
+def test_elastic_worker_joins_late(tmp_path: Path) -> None:
+    """cpu-smoke-elastic: worker-0 trains alone (1 pod x 2 processes), worker-1 is scheduled later;
+    torchrun's c10d rendezvous admits it, the group restarts with 4 processes and resumes."""
+    docs = kv.render(kv.K8S / "overlays" / "cpu-smoke-elastic")
+    with ks.Simulation(docs, tmp_path) as sim:
+        sim.start(only=["ddp-smoke-elastic-worker-0"])
+        _wait_for("checkpoint step 5", lambda: (_run_dir(sim, "cpu-smoke") / "step-0000005").is_dir())
+        sim.add("ddp-smoke-elastic-worker-1")
+        assert sim.wait(TIMEOUT) == "Succeeded"
+    log0, log1 = sim.log("ddp-smoke-elastic-worker-0"), sim.log("ddp-smoke-elastic-worker-1")
+    assert "rank 0/2 local 0/2 node 0/1" in log0  # alone first
+    assert re.search(r"rank \d/4 local \d/2 node \d/2", log1)  # then a 4-process group
+    assert _resumed_steps(log0 + log1) and _final_step(log0 + log1) == 20
