@@ -1,0 +1,34 @@
+"""Benchmarks of ddp-job against references run in the same minutes (docs/benchmarks.md).
+
+``ddp-job bench NAME [--quick] [options]`` or ``python -m benchmarks.NAME``. Each prints a table and, as its
+last line, one JSON object. Everything that is timed is a ratio of interleaved A/B runs (medians and spread):
+absolute times on the shared CPU machine drift 2-10x between minutes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+NAMES = {
+    "overhead": "ddp-job train vs a bare DDP loop vs Lightning (steps/s)",
+    "comm": "all-reduce calls/bytes per optimizer step; DDP vs no_sync step time",
+    "data": "ImageFolder loader images/s vs what the trainer consumes",
+    "checkpoint": "time training is blocked per checkpoint: sync, async, plain torch.save",
+    "startup": "launch -> first optimizer step vs launch -> first collective of a bare script",
+    "scaling": "GPU only: ResNet-50 bf16 channels_last images/s and MFU vs batch size",
+}
+USAGE = "usage: ddp-job bench NAME [--quick] [options]\n\n" + "".join(f"  {k:<11} {v}\n" for k, v in NAMES.items())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in NAMES:
+        print(f"ddp-job bench: unknown benchmark {name!r}. Fix: pick one of {', '.join(NAMES)}.\n\n{USAGE}", file=sys.stderr, end="")
+        return 2
+    return int(importlib.import_module(f"benchmarks.{name}").main(rest))

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 8 GPU benchmarks: ONE prepared command, at most ~8 minutes on one H200. Results (JSON lines + logs)
+# go to $OUT (default /tmp/bench-gpu); it refuses on a machine without a CUDA GPU.
+#   bash benchmarks/gpu_run.sh
+# 1. scaling: ResNet-50 bf16 channels_last, compile off/on, batch 128..512, images/s + MFU   (~4 min)
+# 2. overhead: ddp-job train vs bare DDP loop (vs Lightning if installed), 1 GPU, ResNet-50 bf16 CL (~1.5 min)
+# 3. data: the trainer on synthetic data vs decoded JPEGs (ImageFolder, 8 workers), img/s + data-wait (~1.5 min)
+# Needs the project's venv with the CUDA build of torch (.venv, or PYTHON=...); the machine has no network.
+# Kept separate from benchmarks/gpu_check_issue7.sh (issue 7), same conventions ($OUT, TMPDIR, timeouts).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/bench-gpu}
+mkdir -p "$OUT/tmp"
+export TMPDIR="$OUT/tmp"
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_run.sh: no CUDA GPU visible (torch.cuda.is_available() is False): these benchmarks measure the GPU." >&2
+  echo "Fix: run it on the GPU machine; on CPU use 'ddp-job bench NAME' (docs/benchmarks.md)." >&2
+  exit 2
+fi
+start=$(date +%s)
+{ date -u; nvidia-smi; "$PY" -c 'import torch, torchvision; print(torch.__version__, torchvision.__version__)'; } > "$OUT/env.txt" 2>&1
+step() {  # name timeout args...
+  local name=$1 t=$2; shift 2
+  timeout "$t" "$PY" -m "benchmarks.$name" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+  tail -n 1 "$OUT/$name.log" >> "$OUT/results.jsonl"
+}
+step scaling 240 --batches 128,256,384,512 --compile both --steps 20
+step overhead 110 --nprocs 1 --reps 2 --steps 60 --warmup 15 --log-every 5 --model resnet50 --image-size 224 \
+  --batch 256 --precision bf16 --channels-last --lightning auto
+# data: synthetic vs decoded real data through the trainer (JPEG 224 px ImageFolder, 8 workers)
+"$PY" -m job make-data --out "$OUT/data" --classes 10 --per-class 300 --size 256 --format jpeg > "$OUT/make_data.log" 2>&1
+for src in synthetic imagefolder; do
+  timeout 60 "$PY" -m job train --run.output-dir "$OUT/runs" --run.name "data-$src" --data.source "$src" \
+    --data.path "$OUT/data" --data.num-classes 10 --data.image-size 224 --data.num-workers 8 --model.name resnet50 \
+    --model.channels-last true --train.precision bf16 --train.steps 40 --train.global-batch-size 256 \
+    --ckpt.every 0 --log.every 5 --log.progress off > "$OUT/data-$src.log" 2>&1
+  echo "data-$src rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+done
+grep -h "samples/s" "$OUT"/data-*.log | tail -8 >> "$OUT/summary.txt"
+rm -rf "$OUT/tmp" "$OUT/data" "$OUT/runs"/*/step-*  # keep logs, TensorBoard events and results, not checkpoints
+cat "$OUT/summary.txt" "$OUT/results.jsonl"

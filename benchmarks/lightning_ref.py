@@ -1,0 +1,80 @@
+"""The Lightning reference (run under torchrun): the same work as benchmarks/bare_ddp.py through
+``lightning.Trainer`` (strategy ddp, no logger/checkpointing/progress bar). Per-step times are measured
+by a callback from batch start to batch end, written by rank 0 as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import lightning as L
+import torch
+import torchvision
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(L.LightningModule):
+    def __init__(self, model: str, channels_last: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torchvision.models.get_model(model, weights=None, num_classes=10)
+        self.mf = torch.channels_last if channels_last else torch.contiguous_format
+        self.net = self.net.to(memory_format=self.mf)
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255, persistent=False)
+        self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255, persistent=False)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+
+    def training_step(self, batch, _idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        x = (x.contiguous(memory_format=self.mf).float() - self.mean) / self.std
+        return self.loss_fn(self.net(x), y)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        kw = {"fused": True} if torch.cuda.is_available() else {"foreach": True}
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, **kw)
+
+
+class StepTimes(L.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, module, batch, idx):  # type: ignore[no-untyped-def]
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, idx):  # type: ignore[no-untyped-def]
+        outputs["loss"].item()  # the same one host sync per step as the other two
+        self.times.append(time.perf_counter() - self._t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="global batch")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    micro = a.batch // world
+    g = torch.Generator().manual_seed(0)
+    n = max(a.batch * 4, 64)
+    ds = TensorDataset(torch.randint(0, 256, (n, 3, a.image_size, a.image_size), dtype=torch.uint8, generator=g),
+                       torch.randint(0, 10, (n,), generator=g))
+    cb = StepTimes()
+    trainer = L.Trainer(accelerator="auto", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_nodes=1,
+                        strategy="ddp", precision="bf16-mixed" if a.precision == "bf16" else "32-true",
+                        max_steps=a.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[cb])
+    trainer.fit(Net(a.model, a.channels_last), DataLoader(ds, batch_size=micro, shuffle=True, drop_last=True, num_workers=0))
+    if trainer.global_rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"step_times": cb.times, "world_size": world}, f)
+
+
+if __name__ == "__main__":
+    main()

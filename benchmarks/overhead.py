@@ -1,0 +1,126 @@
+"""Overhead: steps/s of ``ddp-job train`` vs a bare hand-written DDP loop and vs Lightning's Trainer.
+
+Same work in all three (model, synthetic data, batch, precision, memory format, SGD momentum), launched by
+the same torchrun on gloo (nccl on a GPU), 1 and 2 processes. Runs are interleaved A/B/C per repetition
+(the order rotates), the first ``--warmup`` steps are discarded, and each repetition gives a ratio of
+adjacent runs; the ratios' median and spread are the result. ddp-job's step time is what it logs
+(TensorBoard ``perf/step_time_s``); its ``wall`` time also counts what happens between logged steps
+(stop-flag all-reduce, observer, logging), from the TensorBoard event wall times.
+
+    ddp-job bench overhead [--quick] [--nprocs 1,2] [--reps 3] [--lightning auto|on|off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+HERE = Path(__file__).resolve().parent
+
+
+def job_times(run_dir: Path, warmup: int, log_every: int) -> tuple[list[float], list[float]]:
+    """(logged step times, wall seconds per step) of the windows after ``warmup`` steps."""
+    ev = common.scalars(run_dir, "perf/step_time_s")
+    logged = [v for step, v, _ in ev if step - log_every >= warmup]
+    wall = [(w1 - w0) / (s1 - s0) for (s0, _, w0), (s1, _, w1) in zip(ev, ev[1:]) if s0 >= warmup]
+    return logged, wall
+
+
+def run_variant(kind: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
+    env = common.child_env(tmp)
+    timeout = a.timeout
+    if kind == "job":
+        run_dir = tmp / "runs" / tag
+        args = common.job_train_args(run_dir, model=a.model, image_size=a.image_size, batch=a.batch, steps=a.steps,
+                                     precision=a.precision, channels_last=a.channels_last,
+                                     extra=["--log.every", str(a.log_every)])
+        common.run(common.torchrun_cmd(nproc, ["-m", "job", "train", *args]), env, timeout)
+        logged, wall = job_times(run_dir, a.warmup, a.log_every)
+        return {"step_s": statistics.median(logged), "wall_step_s": statistics.median(wall), "n": len(logged)}
+    out = tmp / f"{tag}.json"
+    script = HERE / ("bare_ddp.py" if kind == "bare" else "lightning_ref.py")
+    ref = ["--model", a.model, "--image-size", str(a.image_size), "--batch", str(a.batch), "--steps", str(a.steps),
+           "--precision", a.precision, "--out", str(out)] + (["--channels-last"] if a.channels_last else [])
+    common.run(common.torchrun_cmd(nproc, [str(script), *ref]), env, timeout)
+    times = json.loads(out.read_text())["step_times"][a.warmup:]
+    return {"step_s": statistics.median(times), "n": len(times)}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ddp-job bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny run that only proves the benchmark works (CI)")
+    p.add_argument("--nprocs", default=None, help="comma-separated process counts (default 1,2; quick 1)")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--log-every", type=int, default=None)
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="global batch")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--lightning", default="auto", choices=("auto", "on", "off"),
+                   help="auto: run it when installed (pip install 'ddp-job[bench]'); on: required")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--workdir", type=Path, default=None)
+    a = p.parse_args(argv)
+    q = a.quick
+    a.nprocs = [int(x) for x in (a.nprocs or ("1" if q else "1,2")).split(",")]
+    a.reps = a.reps or (1 if q else 3)
+    a.steps = a.steps or (6 if q else 30)
+    a.warmup = a.warmup if a.warmup is not None else (2 if q else 5)
+    a.log_every = a.log_every or (1 if q else 5)
+    a.image_size = a.image_size or (16 if q else 32)
+    a.batch = a.batch or (8 if q else 32)
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    have_l = importlib.util.find_spec("lightning") is not None
+    if a.lightning == "on" and not have_l:
+        print("bench overhead: --lightning on but lightning is not installed. Fix: pip install 'ddp-job[bench]' "
+              "(or pass --lightning off).", flush=True)
+        return 2
+    kinds = ["job", "bare"] + (["lightning"] if a.lightning != "off" and have_l else [])
+    with tempfile.TemporaryDirectory(dir=a.workdir) as d:
+        tmp = Path(d)
+        per: dict[str, dict[str, list[dict[str, Any]]]] = {str(n): {k: [] for k in kinds} for n in a.nprocs}
+        for rep in range(a.reps):
+            for n in a.nprocs:
+                order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]  # rotate who runs first
+                for k in order:
+                    per[str(n)][k].append(run_variant(k, n, a, tmp, f"{k}-n{n}-r{rep}"))
+    result: dict[str, Any] = {"quick": a.quick, "config": {k: getattr(a, k) for k in (
+        "model", "image_size", "batch", "precision", "channels_last", "steps", "warmup", "reps", "log_every")},
+        "lightning": "lightning" in kinds, "nprocs": {}}
+    rows = []
+    for n, runs in per.items():
+        r: dict[str, Any] = {k: common.median_spread(x["step_s"] for x in v) for k, v in runs.items()}
+        r["job_wall"] = common.median_spread(x["wall_step_s"] for x in runs["job"])
+        # ratio of steps/s (>1 = ddp-job faster), one per repetition from adjacent runs
+        r["ratio_vs_bare"] = common.median_spread(b["step_s"] / j["step_s"] for j, b in zip(runs["job"], runs["bare"]))
+        r["ratio_wall_vs_bare"] = common.median_spread(b["step_s"] / j["wall_step_s"] for j, b in zip(runs["job"], runs["bare"]))
+        if "lightning" in runs:
+            r["ratio_vs_lightning"] = common.median_spread(lt["step_s"] / j["step_s"] for j, lt in zip(runs["job"], runs["lightning"]))
+        result["nprocs"][n] = r
+        for k in [*kinds, "job_wall"]:
+            rows.append([n, k, common.fmt_ms(r[k], 1000, " ms"), f"{1 / r[k]['median']:.2f}"])
+        for k in ("ratio_vs_bare", "ratio_wall_vs_bare", "ratio_vs_lightning"):
+            if k in r:
+                rows.append([n, k, f"{r[k]['median']:.3f} [{r[k]['min']:.3f}-{r[k]['max']:.3f}]", ""])
+    common.table(f"overhead: {a.model} {a.image_size}px batch {a.batch} {a.precision} "
+                 f"(step time median [min-max] over {a.reps} interleaved reps)", ["procs", "variant", "step time", "steps/s"], rows)
+    common.emit("overhead", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(__import__("sys").argv[1:]))
