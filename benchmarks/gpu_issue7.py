@@ -38,10 +38,12 @@ from job.prefetch import DevicePrefetcher
 class HostBatches:
     """`n` batches of pinned uint8 images + labels, handed out round-robin like a DataLoader with pin_memory."""
 
-    def __init__(self, batch: int, size: int, n: int, count: int) -> None:
+    def __init__(self, batch: int, size: int, n: int, count: int, pin: bool = True) -> None:
         g = torch.Generator().manual_seed(0)
-        self.pool = [(torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g).pin_memory(),
-                      torch.randint(0, 1000, (batch,), generator=g).pin_memory()) for _ in range(n)]
+        self.pool = [(torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g),
+                      torch.randint(0, 1000, (batch,), generator=g)) for _ in range(n)]
+        if pin:
+            self.pool = [(x.pin_memory(), y.pin_memory()) for x, y in self.pool]
         self.count = count
 
     def __len__(self) -> int:
@@ -54,30 +56,33 @@ class HostBatches:
 
 def run_row(row: dict[str, Any], args: argparse.Namespace, rt: Runtime) -> dict[str, Any]:
     flags = ["--model.name", "resnet50", "--model.channels-last", str(row["channels_last"]).lower(),
-             "--train.strategy", row.get("strategy", "ddp"), "--train.tf32", str(row.get("tf32", False)).lower(),
-             "--optim.name", "sgd", "--optim.lr", "0.1"]
+             "--train.strategy", "dp" if row["strategy"] == "dp" else "ddp", "--train.tf32", str(row.get("tf32", False)).lower(),
+             "--optim.name", "sgd", "--optim.lr", "0.01"]
     cfg = load_config(flags, {})
     torch.manual_seed(0)
     raw = build_model(cfg.model, 1000).to(rt.device)
-    if row.get("strategy") == "none":
+    if row["strategy"] == "none":
         parallel.apply_tf32(cfg.train.tf32)
         model: nn.Module = raw
     else:
         model = parallel.wrap_model(raw, cfg, rt)
     train_model = torch.compile(model) if row["compile"] else model
     opt = build_optimizer(raw, cfg.optim, cfg.optim.lr, rt.device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if row["precision"] == "bf16" else contextlib.nullcontext()
+    cuda = rt.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(rt.device)) if cuda else (lambda: None)
+    autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if row["precision"] == "bf16" else contextlib.nullcontext()
     total = args.warmup + args.steps
-    source: Any = HostBatches(args.batch, args.size, 4, total)
+    source: Any = HostBatches(args.batch, args.size, 4, total, pin=cuda)
     if row["prefetch"]:
         source = DevicePrefetcher(source, rt.device, cfg.model.channels_last)
     crit = nn.CrossEntropyLoss()
-    torch.cuda.reset_peak_memory_stats(rt.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(rt.device)
     t_start = time.perf_counter()
     t0 = None
     for i, batch in enumerate(source):
         if i == args.warmup:
-            torch.cuda.synchronize(rt.device)
+            sync()
             t0 = time.perf_counter()
         images, labels = to_device(batch, rt.device, cfg.model.channels_last)
         with autocast:
@@ -85,10 +90,10 @@ def run_row(row: dict[str, Any], args: argparse.Namespace, rt: Runtime) -> dict[
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(rt.device)
+    sync()
     elapsed = time.perf_counter() - t0
     return dict(row, images_per_s=round(args.batch * args.steps / elapsed, 1), step_ms=round(1000 * elapsed / args.steps, 2),
-                warmup_s=round(t0 - t_start, 1), peak_mem_gib=round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2),
+                warmup_s=round(t0 - t_start, 1), peak_mem_gib=round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2) if cuda else None,
                 final_loss=round(loss.item(), 4))
 
 
@@ -113,16 +118,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--cpu-smoke", action="store_true", help="check the script's logic on a CPU: tiny sizes, "
+                    "rows without prefetch/compile/dp (those need CUDA); numbers meaningless")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    if args.cpu_smoke:
+        device, backend = torch.device("cpu"), "gloo"
+        args.batch, args.size, args.steps, args.warmup = 2, 32, 2, 1
+        todo = [r for r in rows() if not (r["prefetch"] or r["compile"] or r["strategy"] == "dp")]
+    else:
+        assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (or --cpu-smoke)"
+        device, backend, todo = torch.device("cuda", 0), "nccl", rows()
+        torch.cuda.set_device(device)
     # World size 1 on an in-memory store: DDP needs a process group, and nothing here may touch os.environ.
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-    rt = Runtime(device=device, backend="nccl", control_group=None)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+    rt = Runtime(device=device, backend=backend, control_group=None)
     start = time.perf_counter()
     results = []
-    for row in rows():
+    for row in todo:
         if time.perf_counter() - start > args.budget_s:
             results.append(dict(row, skipped="time budget"))
             continue
@@ -132,7 +145,7 @@ def main() -> None:
             results.append(dict(row, error=f"{type(e).__name__}: {e}"[:500]))
         torch.cuda.empty_cache()
         print(json.dumps(results[-1]), flush=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
                                         "batch": args.batch, "size": args.size, "steps": args.steps, "rows": results}, indent=1))
     dist.destroy_process_group()
     print("\n| precision | tf32 | channels_last | compile | prefetch | wrapper | images/s | step ms | peak GiB |")

@@ -32,6 +32,11 @@ def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
     Raises:
         BadInput: naming the setting, its value and the fix.
     """
+    if cfg.ddp.comm_hook == "powersgd" and (cfg.dist.backend == "gloo" or not cuda_available):
+        # torch's PowerSGD hook waits on a second all-reduce inside a future callback; on gloo that callback
+        # runs on gloo's own worker thread and the step never finishes (hung in our 2-process CPU test).
+        raise BadInput("ddp.comm_hook='powersgd' needs the nccl backend (CUDA); on gloo its hook deadlocks. "
+                       "Fix: --ddp.comm-hook bf16 (or fp16/none) on CPU/gloo.")
     if cfg.train.strategy != "dp":
         return
     if not cuda_available:

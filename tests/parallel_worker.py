@@ -1,7 +1,7 @@
 """Run under real torchrun (2 processes, gloo) by tests/test_parallel.py; rank 0 writes JSON to argv[1].
 
 Scenarios, in one launch so the ~10 s start-up is paid once:
-  hooks   for each comm hook (bf16, fp16, powersgd): a few DDP steps via job.parallel.wrap_model on a fixed
+  hooks   for each comm hook (bf16, fp16; PowerSGD deadlocks on gloo and is refused there): a few DDP steps via job.parallel.wrap_model on a fixed
           batch of the generated dataset; losses, and the max parameter difference across ranks.
   memory  bytes of AdamW optimizer state per rank for a ResNet-50, with and without ZeRO.
 """
@@ -27,7 +27,7 @@ from job.optim import build_optimizer
 
 
 def hook_run(hook: str, data: str, rt: Runtime, steps: int = 5) -> dict:
-    args = ["--ddp.comm-hook", hook, "--ddp.powersgd-start-iter", "2", "--ddp.bucket-cap-mb", "4",
+    args = ["--ddp.comm-hook", hook, "--ddp.bucket-cap-mb", "4",
             "--data.path", data, "--data.num-classes", "4", "--data.image-size", "16", "--data.num-workers", "0",
             "--data.augment", "false", "--optim.name", "sgd", "--optim.lr", "0.05"]
     cfg = load_config(args, {})
@@ -77,7 +77,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(300, repeat=True)  # a hang shows where it is in the test's stderr
     t0 = time.perf_counter()
     results: dict = {"hooks": {}}
-    for hook in ("bf16", "fp16", "powersgd"):
+    for hook in ("bf16", "fp16"):
         results["hooks"][hook] = hook_run(hook, data, rt)
         print(f"rank {dist.get_rank()}: hook {hook} done at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results["memory"] = memory_run(rt)
