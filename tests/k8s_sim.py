@@ -159,6 +159,7 @@ class Simulation:
         self._next_ip = 10
         self._made_dirs: list[Path] = []
         self.condition = "Created"
+        self._stopped = threading.Event()
 
     # --------------------------------------------------------------------- network
     def __enter__(self) -> Simulation:
@@ -188,6 +189,7 @@ class Simulation:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
         for pod in self.pods.values():
             pod.stop.set()
         teardown(quiet=True)
@@ -333,6 +335,7 @@ class Simulation:
         self.condition = "Running"
         for name in only or list(self.pods):
             self._create(self.pods[name])
+        threading.Thread(target=self._operator, name="operator", daemon=True).start()
 
     def add(self, name: str) -> None:
         """A pod that the scheduler places late (e.g. a node that came up later)."""
@@ -363,33 +366,45 @@ class Simulation:
         return sum(p.restarts for p in self.pods.values() if p.phase == "Running")
 
     def wait(self, timeout: float) -> str:
-        """Reconcile until the job is Succeeded or Failed (§4-§6); returns the condition."""
+        """Wait until the job is Succeeded or Failed; returns the condition."""
         deadline = time.monotonic() + timeout
-        limit = (self.job["spec"].get("runPolicy") or {}).get("backoffLimit")
-        while time.monotonic() < deadline:
-            for pod in self.pods.values():
-                policy = self.types[pod.rtype]["restartPolicy"]
-                if pod.phase != "Failed" or pod.thread is None or pod.thread.is_alive():
-                    continue
-                code = pod.exit_codes[-1] if pod.exit_codes else EVICTED
-                if policy == "Never" or (policy == "ExitCode" and code < RETRYABLE and not pod.deleting):
-                    return self._finish("Failed")
-                pod.generation += 1  # OnFailure/Always after eviction, ExitCode >= 128: a new pod
-                self._event(pod.name, f"recreate after {pod.reason or code}")
-                self._assign_ip(pod)
-                self._create(pod)
-            if limit is not None and self.restarts_of_running_pods() >= max(limit, 1):
-                return self._finish("Failed")
-            phases = {p.name: p.phase for p in self.pods.values() if p.rtype == "Worker"}
-            if "Master" in self.types:
-                if next(p for p in self.pods.values() if p.rtype == "Master").phase == "Succeeded":
-                    return self._finish("Succeeded")
-            elif phases and (all(v == "Succeeded" for v in phases.values())
-                             or ("elasticPolicy" in self.job["spec"] and "Succeeded" in phases.values())):
-                return self._finish("Succeeded")
+        while self.condition not in ("Succeeded", "Failed"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job still {self.condition} after {timeout} s; pods: "
+                                   f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}")
             time.sleep(0.2)
-        raise TimeoutError(f"job still {self.condition} after {timeout} s; pods: "
-                           f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}")
+        return self.condition
+
+    def _operator(self) -> None:
+        while self.condition not in ("Succeeded", "Failed") and not self._stopped.is_set():
+            self._reconcile()
+            self._stopped.wait(0.2)
+
+    def _reconcile(self) -> None:
+        """One pass of the controller: recreate failed pods, backoffLimit, job conditions (§4-§6)."""
+        limit = (self.job["spec"].get("runPolicy") or {}).get("backoffLimit")
+        for pod in self.pods.values():
+            policy = self.types[pod.rtype]["restartPolicy"]
+            if pod.phase != "Failed" or pod.thread is None or pod.thread.is_alive():
+                continue
+            code = pod.exit_codes[-1] if pod.exit_codes else EVICTED
+            if policy == "Never" or (policy == "ExitCode" and code < RETRYABLE and not pod.deleting):
+                self._finish("Failed")
+                return
+            pod.generation += 1  # OnFailure/Always after eviction, ExitCode >= 128: a new pod
+            self._event(pod.name, f"recreate after {pod.reason or code}")
+            self._assign_ip(pod)
+            self._create(pod)
+        if limit is not None and self.restarts_of_running_pods() >= max(limit, 1):
+            self._finish("Failed")
+            return
+        phases = {p.name: p.phase for p in self.pods.values() if p.rtype == "Worker"}
+        if "Master" in self.types:
+            if next(p for p in self.pods.values() if p.rtype == "Master").phase == "Succeeded":
+                self._finish("Succeeded")
+        elif phases and (all(v == "Succeeded" for v in phases.values())
+                         or ("elasticPolicy" in self.job["spec"] and "Succeeded" in phases.values())):
+            self._finish("Succeeded")
 
     def _finish(self, condition: str) -> str:
         self.condition = condition

@@ -13,10 +13,11 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 import k8s_sim as ks
 import k8s_validate as kv
@@ -31,12 +32,14 @@ def _need(ok: bool, msg: str) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _requirements() -> None:
+def _requirements() -> Iterator[None]:
     _need(os.geteuid() == 0, "the operator simulation needs root (network namespaces, mounts)")
     for tool in ("ip", "mount", "getent", "kubectl"):
         _need(shutil.which(tool) is not None, f"{tool} not found: install iproute2/mount/libc-bin/kubectl")
     _need((ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
           "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv")
+    yield
+    ks.teardown()  # also after a test that was interrupted before its own clean-up
 
 
 def _wait_for(what: str, cond: Callable[[], bool], timeout: float = TIMEOUT) -> float:
@@ -48,8 +51,24 @@ def _wait_for(what: str, cond: Callable[[], bool], timeout: float = TIMEOUT) -> 
     return time.monotonic() - t0
 
 
-def _run_dir(sim: ks.Simulation, name: str) -> Path:
-    return sim.workdir / "pvc" / "ddp-job-workspace" / "runs" / name
+def _config(sim: ks.Simulation) -> dict:
+    """The training config the pods read (the rendered ConfigMap's job.yaml)."""
+    (data,) = sim.config_maps.values()
+    return yaml.safe_load(data["job.yaml"])
+
+
+def _run_dir(sim: ks.Simulation) -> Path:
+    """The run directory on the simulated PVC (run.output_dir is under its /workspace mount)."""
+    run = _config(sim)["run"]
+    return sim.workdir / "pvc" / "ddp-job-workspace" / Path(run["output_dir"]).relative_to("/workspace") / run["name"]
+
+
+def _first_checkpoint(sim: ks.Simulation) -> Path:
+    return _run_dir(sim) / f"step-{_config(sim)['ckpt']['every']:07d}"
+
+
+def _steps(sim: ks.Simulation) -> int:
+    return _config(sim)["train"]["steps"]
 
 
 def _final_step(log: str) -> int:
@@ -106,9 +125,8 @@ def test_two_pods_train_to_completion(tmp_path: Path) -> None:
     assert "node 0/2 launcher=torchrun backend=gloo" in log_m and "rank 3/4 local 1/2 node 1/2" in log_w
     # The job succeeds when the Master does; cleanPodPolicy Running then stops a worker still in
     # torchrun's exit barrier, as the operator would.
-    assert _final_step(log_m) == 20 and master.exit_codes == [0] and len(worker.exit_codes) == 1
-    assert (_run_dir(sim, "cpu-smoke") / "step-0000020").is_dir()
-    assert (_run_dir(sim, "cpu-smoke") / "tb").is_dir()
+    assert _final_step(log_m) == _steps(sim) and master.exit_codes == [0] and len(worker.exit_codes) == 1
+    assert (_run_dir(sim) / f"step-{_steps(sim):07d}").is_dir() and (_run_dir(sim) / "tb").is_dir()
 
 
 def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
@@ -118,8 +136,8 @@ def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
     docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
     with ks.Simulation(docs, tmp_path) as sim:
         sim.start()
-        run_dir = _run_dir(sim, "cpu-smoke")
-        _wait_for("checkpoint step 5", lambda: (run_dir / "step-0000005").is_dir())
+        first = _first_checkpoint(sim)
+        _wait_for(f"checkpoint {first.name}", first.is_dir)
         sim.kill("ddp-smoke-worker-0", signal.SIGKILL)
         t_kill = time.monotonic()
         _wait_for("a resume", lambda: _resumed_steps(sim.log("ddp-smoke-master-0")))
@@ -130,8 +148,8 @@ def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
     assert worker.exit_codes[0] == 137 and worker.restarts >= 1 and worker.generation == 0
     assert master.exit_codes[0] != 0 and master.exit_codes[-1] == 0
     resumed = _resumed_steps(sim.log(master.name))
-    assert resumed and resumed[0] >= 5
-    assert _final_step(sim.log(master.name)) == 20
+    assert resumed and resumed[0] >= _config(sim)["ckpt"]["every"]
+    assert _final_step(sim.log(master.name)) == _steps(sim)
 
 
 def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
@@ -140,8 +158,8 @@ def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
     docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
     with ks.Simulation(docs, tmp_path) as sim:
         sim.start()
-        run_dir = _run_dir(sim, "cpu-smoke")
-        _wait_for("checkpoint step 5", lambda: (run_dir / "step-0000005").is_dir())
+        first = _first_checkpoint(sim)
+        _wait_for(f"checkpoint {first.name}", first.is_dir)
         old_ips = {n: p.ip for n, p in sim.pods.items()}
         sim.evict(list(sim.pods))
         t_drain = time.monotonic()
@@ -154,8 +172,8 @@ def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
         assert pod.generation == 1 and pod.ip != old_ips[name]
     stopped = re.findall(r"saving at step (\d+) and exiting 143", sim.log("ddp-smoke-master-0"))
     resumed = _resumed_steps(sim.log("ddp-smoke-master-0"))
-    assert stopped and resumed[0] == int(stopped[0]) >= 5
-    assert _final_step(sim.log("ddp-smoke-master-0")) == 20
+    assert stopped and resumed[0] == int(stopped[0]) >= _config(sim)["ckpt"]["every"]
+    assert _final_step(sim.log("ddp-smoke-master-0")) == _steps(sim)
 
 
 def test_elastic_worker_joins_late(tmp_path: Path) -> None:
@@ -164,10 +182,11 @@ def test_elastic_worker_joins_late(tmp_path: Path) -> None:
     docs = kv.render(kv.K8S / "overlays" / "cpu-smoke-elastic")
     with ks.Simulation(docs, tmp_path) as sim:
         sim.start(only=["ddp-smoke-elastic-worker-0"])
-        _wait_for("checkpoint step 5", lambda: (_run_dir(sim, "cpu-smoke") / "step-0000005").is_dir())
+        first = _first_checkpoint(sim)
+        _wait_for(f"checkpoint {first.name}", first.is_dir)
         sim.add("ddp-smoke-elastic-worker-1")
         assert sim.wait(TIMEOUT) == "Succeeded"
     log0, log1 = sim.log("ddp-smoke-elastic-worker-0"), sim.log("ddp-smoke-elastic-worker-1")
     assert "rank 0/2 local 0/2 node 0/1" in log0  # alone first
     assert re.search(r"rank \d/4 local \d/2 node \d/2", log1)  # then a 4-process group
-    assert _resumed_steps(log0 + log1) and _final_step(log0 + log1) == 20
+    assert _resumed_steps(log0 + log1) and _final_step(log0 + log1) == _steps(sim)
