@@ -17,8 +17,10 @@ padding, no duplicates, sizes differ by at most one); the trainer all-reduces su
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,6 +34,7 @@ from torchvision.transforms import v2
 from job.config import DataConfig
 from job.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
 from job.exitcodes import BadInput
+from job.preempt import ignore_stop_signals
 from job.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -244,6 +247,42 @@ class Loaders:
             epoch, start_batch = epoch + 1, 0
 
 
+_LOADERS_WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+
+
+def _kill_workers_at_exit() -> None:
+    """Stop the DataLoader workers still alive when the interpreter exits.
+
+    The workers ignore SIGTERM (job.preempt.ignore_stop_signals). multiprocessing's own exit hook
+    terminates daemonic children with SIGTERM and then joins them, so a loader still referenced at exit
+    (a traceback cycle after a worker error, a global) would hang the process forever: the workers
+    outlive SIGTERM and their parent is alive. Registered after multiprocessing's hook, so it runs first.
+    """
+    for loader in list(_LOADERS_WITH_WORKERS):
+        it = getattr(loader, "_iterator", None)
+        if it is None:
+            continue
+        try:
+            # Asks each worker to exit (they do at once unless stuck) and unregisters them from torch's
+            # SIGCHLD check, which would otherwise raise "worker killed" at the kill below.
+            it._shutdown_workers()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+        for w in list(getattr(it, "_workers", None) or []):
+            if w.is_alive():
+                w.kill()  # SIGKILL: a worker only reads files; nothing to flush
+                w.join(5)
+
+
+def _track(loader: DataLoader) -> DataLoader:
+    if loader.num_workers > 0:
+        if not _LOADERS_WITH_WORKERS:
+            atexit.unregister(_kill_workers_at_exit)
+            atexit.register(_kill_workers_at_exit)
+        _LOADERS_WITH_WORKERS.add(loader)
+    return loader
+
+
 def _check_size(n: int, sampler: ResumableSampler, what: str) -> None:
     if sampler.batches_per_epoch == 0:
         raise BadInput(
@@ -264,7 +303,9 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
     _check_size(len(layout.train), sampler, f"data.path={cfg.path}")
     kw: dict[str, Any] = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
-        kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor)
+        # Workers ignore stop signals: torchrun signals each rank's whole process group, and a worker
+        # killed by SIGTERM makes the DataLoader raise in the trainer before it can save (job.preempt).
+        kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor, worker_init_fn=ignore_stop_signals)
     train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
     train = DataLoader(train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
                        generator=torch.Generator().manual_seed(seed), **kw)
@@ -273,7 +314,8 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
     val = DataLoader(val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False,
                      generator=torch.Generator().manual_seed(seed), **kw)
     r = val_sampler.indices
-    return Loaders(CleanErrors(train), sampler, CleanErrors(val), ValInfo(len(val_ds), r.start, r.stop, layout.classes))
+    return Loaders(CleanErrors(_track(train)), sampler, CleanErrors(_track(val)),
+                   ValInfo(len(val_ds), r.start, r.stop, layout.classes))
 
 
 def _synthetic(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: int, seed: int,

@@ -388,3 +388,35 @@ def test_corrupt_image_error_names_the_file_in_the_main_process(tmp_path, fmt, w
     msg = str(e.value)
     assert f"cannot read image file {bad}" in msg and "truncated" in msg and "Fix:" in msg
     assert "Traceback" not in msg
+
+
+EXIT_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from job.config import DataConfig
+from job.data import build_loaders
+from job.exitcodes import BadInput
+cfg = DataConfig(path=Path(sys.argv[1]), num_classes=2, image_size=16, num_workers=2)
+LOADERS = build_loaders(cfg, 0, 1, 2, 0, torch.device("cpu"))  # still referenced at exit
+next(iter(LOADERS.val))
+try:
+    for _ in LOADERS.train:
+        pass
+except BadInput as e:
+    ERROR = e  # keeps the traceback (and the DataLoader iterator) alive too
+    print("bad input:", e, flush=True)
+    sys.exit(2)
+"""
+
+
+def test_process_exits_although_workers_ignore_sigterm_and_loaders_live_on(tmp_path):
+    # Workers ignore SIGTERM (job.preempt) and multiprocessing's exit hook only SIGTERMs and then joins
+    # them: without job.data's own exit hook this process never ends (observed: hung until killed).
+    root = tmp_path / "d"
+    make_dataset(root, classes=2, per_class=4, size=16, val_per_class=1)
+    bad = root / "train" / "class_00" / "000001.png"
+    bad.write_bytes(bad.read_bytes()[:40])
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(root)], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 2, done.stderr
+    assert f"cannot read image file {bad}" in done.stdout
