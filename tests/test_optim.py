@@ -20,7 +20,6 @@ from conftest import base_env, load_final_state, run_cli
 from job.config import load_config
 from job.data import build_loaders, to_device
 from job.exitcodes import BadInput
-from job.model import build_model
 from job.optim import build_optimizer, build_scheduler
 from job.plan import make_plan
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, base_env, bin_path, load_final_state, torchrun
+from conftest import ROOT, base_env, bin_path, load_final_state, make_data, torchrun
 
 ACCUM = 3  # micro 4 x 3 accumulation steps x 2 ranks = global batch 24
 
@@ -94,10 +95,7 @@ def test_one_all_reduce_per_bucket_per_optimizer_step(zero_runs: dict[str, Path]
 
 
 @pytest.fixture(scope="module")
-def worker_results(tmp_path_factory: pytest.TempPathFactory, ) -> dict:
-    from conftest import make_data
-    import subprocess
-
+def worker_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("hooks")
     data = make_data(out / "data", classes=4, per_class=8, size=16)
     cmd = [bin_path("torchrun"), "--standalone", "--nproc-per-node=2", str(ROOT / "tests" / "parallel_worker.py"),
