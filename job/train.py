@@ -117,7 +117,8 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
 
     # --- data ---
     distributed.seed_all(cfg.run.seed)
-    loaders = build_loaders(cfg.data, env.rank, env.world_size, plan.micro_batch_size, cfg.run.seed, device)
+    loaders = build_loaders(cfg.data, env.rank, env.world_size, plan.micro_batch_size, cfg.run.seed, device,
+                            plan.grad_accum_steps)
     loaders = wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last)
 
     # --- model ---
