@@ -66,6 +66,10 @@ def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, 
         {}, args=no_workers, output_dir=ro)
     add("shm", [unshare, "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" \"$@\"", *doctor], {},
         args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"])
+    # train's quick doctor phase sees the same FAIL and stops before writing anything
+    train = [bin_path("ddp-job"), "train", "--data.path", str(data), *ARGS, "--train.steps", "2"]
+    add("train-shm", [unshare, "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" \"$@\"", *train], {},
+        args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"])
     port = free_port()
     for rank in (0, 1):  # claims 2 nodes x 2 processes = 4, but WORLD_SIZE=2
         add("layout", [*doctor, *no_workers], contract(rank, 2, port, GROUP_WORLD_SIZE="2", GROUP_RANK="0"))
@@ -145,6 +149,13 @@ def test_tiny_dev_shm(failures: dict) -> None:
     assert r["rc"] == 2, r["out"]
     assert lines and "/dev/shm: 1.0 MiB free of 1.0 MiB" in lines[0], r["out"]
     assert "--shm-size=" in r["out"]
+
+
+def test_train_runs_the_quick_checks_first(failures: dict) -> None:
+    (r,) = failures["train-shm"]
+    assert r["rc"] == 2, r["out"]
+    assert "preflight checks failed" in r["out"] and "FAIL shm" in r["out"], r["out"]
+    assert not r["run_dir"].exists()  # exit 2: nothing written
 
 
 def test_world_size_inconsistent_with_launcher_variables(failures: dict) -> None:

@@ -69,6 +69,7 @@ def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path,
                      "--train.steps", "4", "--log.every", "2", "--observe.debug-delay-s", str(delay), "--observe.debug-delay-rank", "1",
                      "--observe.profile-start", "1", "--observe.profile-steps", "1"], env=base_env(tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "doctor: 0 FAIL" in r.stdout and json.loads((run_dir / "doctor.json").read_text())["world_size"] == 2  # train's quick phase
     s = scalars(run_dir / "tb")
     slowest = s["straggler/slowest_rank"]
     assert [step for step, _ in slowest] == [2, 4]
