@@ -1,5 +1,3 @@
-import sys
+from job.cli import entrypoint
 
-from job.cli import main
-
-raise SystemExit(main(sys.argv[1:]))
+entrypoint()
