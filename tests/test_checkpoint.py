@@ -1,0 +1,313 @@
+"""job.checkpoint and job.resume, without a process group: durability, verification, fallback, pruning,
+weights_only loading, refusal of non-finite state, disk full on a real small filesystem, resume checks.
+
+Real files, real torch.save/torch.load, a real kill -9 of a process in the middle of saving and a real
+tmpfs mounted for the disk-full case (root needed; in CI a missing capability fails instead of skipping).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from job import checkpoint as ckpt
+from job.config import load_config
+from job.exitcodes import BadInput
+from job.resume import check_resumable, config_differences, map_data_position
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def unavailable(reason: str) -> None:
+    """Skip locally, fail in CI (no integration test may skip there)."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"required in CI: {reason}")
+    pytest.skip(reason)
+
+
+def state(seed: int, mib: float = 0.25) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = int(mib * 2**20 / 4)
+    return {"model": {"w": torch.randn(n, generator=g), "b": torch.randn(7, generator=g)},
+            "optimizer": {"state": {0: {"momentum_buffer": torch.randn(5, generator=g)}}, "param_groups": [{"lr": 0.1}]},
+            "trainer": {"step": seed, "epoch": 0}}
+
+
+def save(run_dir: Path, step: int, seed: int | None = None, keep_last: int = 10, mib: float = 0.25) -> None:
+    m = ckpt.CheckpointManager(run_dir, keep_last, async_save=False, is_main=True)
+    m.save(step, lambda: state(step if seed is None else seed, mib), {"world_size": 1})
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_same(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+# --- durability and verification ----------------------------------------------------------------------
+
+def test_save_writes_manifest_last_and_loads_back(tmp_path: Path) -> None:
+    save(tmp_path, 3)
+    d = tmp_path / "step-0000003"
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "state.pt"]
+    manifest = json.loads((d / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 1
+    assert manifest["files"]["state.pt"]["size"] == (d / "state.pt").stat().st_size
+    assert len(manifest["files"]["state.pt"]["sha256"]) == 64
+    found = ckpt.find_latest(tmp_path)
+    assert found is not None and found.step == 3
+    assert_same(ckpt.load_state(found), state(3))
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def _corrupt_truncate(f: Path) -> None:
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+def _corrupt_flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    for i in (len(data) // 3, len(data) // 2, len(data) - 10):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("how", "reason"), [(_corrupt_truncate, "truncated"), (_corrupt_flip, "sha256")])
+def test_corrupt_newest_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, how, reason: str) -> None:
+    save(tmp_path, 2)
+    save(tmp_path, 4)
+    how(tmp_path / "step-0000004" / "state.pt")
+    with caplog.at_level(logging.WARNING, logger="job"):
+        found = ckpt.find_latest(tmp_path)
+    assert found is not None and found.step == 2
+    assert_same(ckpt.load_state(found), state(2))
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert str(tmp_path / "step-0000004" / "state.pt") in warning and reason in warning
+
+
+def test_missing_or_broken_manifest_is_not_a_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    save(tmp_path, 3)
+    (tmp_path / "step-0000003" / "manifest.json").unlink()  # a save that never completed
+    (tmp_path / "step-0000002" / "manifest.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="job"):
+        assert ckpt.find_latest(tmp_path).step == 1
+    text = caplog.text
+    assert "step-0000003/manifest.json is missing" in text and "step-0000002/manifest.json is unreadable" in text
+
+
+def test_tmp_directories_are_ignored_and_cleaned(tmp_path: Path) -> None:
+    save(tmp_path, 1)
+    torn = tmp_path / "step-0000002.tmp-123-4"
+    torn.mkdir()
+    (torn / "state.pt").write_bytes(b"partial")
+    assert ckpt.find_latest(tmp_path).step == 1
+    ckpt.CheckpointManager(tmp_path, 3, False, True).clean_stale_tmp()
+    assert not torn.exists() and (tmp_path / "step-0000001").is_dir()
+
+
+SAVER = r"""
+import sys, torch
+from pathlib import Path
+from job import checkpoint as ckpt
+m = ckpt.CheckpointManager(Path(sys.argv[1]), 1000, async_save=False, is_main=True)
+step = 0
+while True:
+    step += 1
+    m.save(step, lambda: {"w": torch.full((1 << 20,), float(step))}, {"world_size": 1})  # 4 MiB
+    print(step, flush=True)
+"""
+
+
+def test_kill_9_during_saves_never_leaves_a_bad_checkpoint(tmp_path: Path) -> None:
+    """A real process saving 4 MiB checkpoints in a loop is killed with SIGKILL at arbitrary moments;
+    every directory with a final name verifies, the newest one loads, a torn one is only ever a .tmp."""
+    run_dir = tmp_path / "run"
+    for attempt, delay in enumerate((0.35,)):
+        p = subprocess.Popen([sys.executable, "-c", SAVER, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        first = p.stdout.readline()  # one save done: the process is in its save loop now
+        assert first.strip().isdigit(), first
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        p.stdout.close()
+        finals = ckpt.scan(run_dir)
+        assert finals, "at least the first save completed"
+        for step, path in finals:
+            ok, reason, _ = ckpt.verify(path)
+            assert ok, f"attempt {attempt}: {path}: {reason}"
+        found = ckpt.find_latest(run_dir)
+        loaded = ckpt.load_state(found)
+        assert torch.equal(loaded["w"], torch.full((1 << 20,), float(found.step)))
+        ckpt.CheckpointManager(run_dir, 1000, False, True).clean_stale_tmp()
+        assert not list(run_dir.glob("*.tmp-*"))
+        # the next "attempt" starts where this one stopped: move the numbers on so steps never repeat
+        for step, path in finals:
+            path.rename(run_dir / f"old{attempt}-{path.name}")
+
+
+# --- keep-last-K ---------------------------------------------------------------------------------------
+
+def test_keep_last_k(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save(tmp_path, step, keep_last=2)
+    assert [s for s, _ in ckpt.scan(tmp_path)] == [5, 4]
+
+
+def test_keep_last_never_deletes_the_only_valid_checkpoint(tmp_path: Path) -> None:
+    save(tmp_path, 1, keep_last=1)
+    save(tmp_path, 2, keep_last=10)
+    save(tmp_path, 3, keep_last=10)
+    _corrupt_flip(tmp_path / "step-0000002" / "state.pt")
+    _corrupt_truncate(tmp_path / "step-0000003" / "state.pt")
+    m = ckpt.CheckpointManager(tmp_path, 1, False, True)
+    m.prune()  # two newer but broken checkpoints do not count towards K=1
+    assert ckpt.find_latest(tmp_path).step == 1
+    assert (tmp_path / "step-0000001").is_dir()
+    save(tmp_path, 4, keep_last=1)  # now a newer valid one exists: the old valid one may go
+    assert ckpt.find_latest(tmp_path).step == 4
+    assert not (tmp_path / "step-0000001").exists()
+
+
+def test_a_corrupted_checkpoint_of_the_same_step_is_replaced(tmp_path: Path) -> None:
+    """Resume fell back past a corrupted step-4; training reaches step 4 again: the new save must win."""
+    save(tmp_path, 4, seed=100)
+    _corrupt_flip(tmp_path / "step-0000004" / "state.pt")
+    save(tmp_path, 4, seed=4)
+    found = ckpt.find_latest(tmp_path)
+    assert found.step == 4
+    assert_same(ckpt.load_state(found), state(4))
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+# --- what may be saved and loaded ------------------------------------------------------------------------
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_loading_never_runs_code(tmp_path: Path) -> None:
+    """A state.pt that would run code on unpickling (here: create a file), with a manifest that verifies."""
+    marker = tmp_path / "code-ran"
+    d = tmp_path / "run" / "step-0000001"
+    d.mkdir(parents=True)
+    torch.save({"model": _RunsCode(str(marker))}, d / "state.pt")
+    assert not marker.exists()
+    f = d / "state.pt"
+    (d / "manifest.json").write_text(json.dumps(
+        {"step": 1, "world_size": 1, "files": {"state.pt": {"size": f.stat().st_size, "sha256": ckpt._sha256(f)}}}))
+    found = ckpt.find_latest(tmp_path / "run")
+    assert found is not None and found.step == 1  # it verifies: only weights_only stands in the way
+    with pytest.raises(ckpt.CheckpointLoadError, match=r"step-0000001/state.pt.*weights_only=True"):
+        ckpt.load_state(found)
+    assert not marker.exists()
+
+
+def test_non_finite_state_is_never_saved(tmp_path: Path) -> None:
+    bad = state(1)
+    bad["optimizer"]["state"][0]["momentum_buffer"][2] = float("nan")
+    bad["model"]["b"][0] = float("inf")
+    m = ckpt.CheckpointManager(tmp_path, 3, async_save=False, is_main=True)
+    with pytest.raises(ckpt.NonFiniteStateError, match=r"model\.b.*optimizer\.state\.0\.momentum_buffer"):
+        m.save(1, lambda: bad, {"world_size": 1})
+    assert not any(tmp_path.iterdir())
+
+
+def test_async_save_copies_state_first_and_waits(tmp_path: Path) -> None:
+    """The background write sees the state as it was at save(); training may change it right after."""
+    live = state(7, mib=8)
+    expected = state(7, mib=8)
+    m = ckpt.CheckpointManager(tmp_path, 3, async_save=True, is_main=True)
+    m.save(1, lambda: live, {"world_size": 1})
+    live["model"]["w"].add_(1.0)  # the training thread goes on mutating parameters in place
+    m.save(2, lambda: live, {"world_size": 1})  # waits for save 1: at most one in flight
+    m.wait()
+    assert not m.in_flight()
+    assert_same(ckpt.load_state(ckpt.Found(1, tmp_path / "step-0000001", {})), expected)
+    assert torch.equal(ckpt.load_state(ckpt.find_latest(tmp_path))["model"]["w"], live["model"]["w"])
+
+
+# --- disk full -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        unavailable(f"cannot mount a tmpfs (root needed): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_disk_full_keeps_earlier_checkpoints_and_says_where_and_how_much(small_fs: Path, async_save: bool) -> None:
+    run_dir = small_fs / "run"
+    m = ckpt.CheckpointManager(run_dir, 3, async_save=async_save, is_main=True)
+    m.save(1, lambda: state(1, mib=1), {"world_size": 1})
+    m.wait()
+    with pytest.raises(ckpt.CheckpointWriteError) as err:  # sync: from save(); async: from wait()
+        m.save(2, lambda: state(2, mib=4), {"world_size": 1})  # 4 MiB into the 2 MiB left
+        m.wait()
+    msg = str(err.value)
+    assert str(run_dir / "step-0000002") in msg and "No space left on device" in msg
+    assert "needs about 4.0 MiB" in msg and "MiB are free" in msg and "Fix:" in msg
+    ok, reason, _ = ckpt.verify(run_dir / "step-0000001")
+    assert ok, reason
+    assert [s for s, _ in ckpt.scan(run_dir)] == [1]
+    assert not list(run_dir.glob("*.tmp-*")), "the torn save is removed, giving the space back"
+    assert_same(ckpt.load_state(ckpt.find_latest(run_dir)), state(1, mib=1))
+
+
+# --- resume checks (pure) --------------------------------------------------------------------------------
+
+def _manifest(argv: list[str], world_size: int, micro: int = 4, mbie: int = 2) -> dict:
+    cfg = load_config(argv, {})
+    from job.config import config_to_dict
+
+    return {"step": 6, "world_size": world_size, "config": config_to_dict(cfg),
+            "trainer": {"step": 6, "epoch": 1, "micro_batches_in_epoch": mbie},
+            "plan": {"world_size": world_size, "micro_batch_size": micro, "global_batch_size": 16}}
+
+
+def test_resume_with_changed_config_is_refused_naming_the_setting_and_the_flag() -> None:
+    saved = _manifest(["--optim.lr", "0.1"], 2)
+    cfg = load_config(["--optim.lr", "0.2", "--train.steps", "50", "--run.name", "other"], {})
+    assert config_differences(saved["config"], cfg) == ["optim.lr: checkpoint 0.1 -> now 0.2"]  # steps/name may change
+    with pytest.raises(BadInput, match=r"optim\.lr: checkpoint 0\.1 -> now 0\.2(.|\n)*--ckpt\.allow-config-change true"):
+        check_resumable(saved, cfg, 2, 4)
+    check_resumable(saved, load_config(["--optim.lr", "0.2", "--ckpt.allow-config-change", "true"], {}), 2, 4)
+
+
+def test_resume_with_other_world_size_is_refused_unless_allowed_and_mappable() -> None:
+    saved = _manifest([], 2, micro=4, mbie=2)  # 2 micro-batches x 2 ranks x 4 = 16 samples into the epoch
+    with pytest.raises(BadInput, match=r"world_size=2.*world_size=1.*--ckpt\.allow-world-size-change true"):
+        check_resumable(saved, load_config([], {}), 1, 8)
+    allowed = load_config(["--ckpt.allow-world-size-change", "true"], {})
+    check_resumable(saved, allowed, 1, 8)
+    assert map_data_position(saved["trainer"], saved["plan"], 1, 8) == 2  # 16 samples = 2 rows of 1 x 8
+    assert map_data_position(saved["trainer"], saved["plan"], 4, 2) == 2  # 2 rows of 4 x 2
+    assert map_data_position(saved["trainer"], saved["plan"], 1, 16) == 1
+    with pytest.raises(BadInput, match=r"16 samples.*not a multiple of 12"):
+        check_resumable(saved, allowed, 3, 4)

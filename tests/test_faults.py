@@ -1,0 +1,410 @@
+"""Faults end in exact continuation or a clear error: real torchrun agents, real worker processes, real signals.
+
+* exact resume: one uninterrupted 2-process run against a chain of interrupted attempts on the same run
+  directory, each stopped differently (SIGTERM to the agent landing during gradient accumulation, plus a
+  second SIGTERM to the workers while they save; SIGTERM while an async save is in flight; SIGUSR1 to the
+  agent only; kill -9 of a worker under --max-restarts 1). DataLoader workers > 0, stops in the middle of
+  epochs. The final parameters, optimizer, scheduler and trainer state must be bitwise identical.
+* hung peer (SIGSTOP of one worker): the other exits 124 with a timeout error within dist.train_timeout_s
+  plus slack;
+* NaN injection: the update is skipped, no checkpoint holds a non-finite value, too many skips stop the run
+  with an error naming the step;
+* a table of bad inputs: exit 2, a message naming the setting, no traceback, nothing written.
+
+Measured numbers are printed (run pytest with -s): recomputed steps after kill -9, time from hang to error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, base_env, bin_path, require
+
+STEPS = 10  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
+
+
+def train_args(data: Path, out: Path, name: str, *extra: str) -> list[str]:
+    """Small but complete: resnet18 at 16 px, 2 ranks x micro 4 x 2 accumulation steps, 2 DataLoader workers,
+    augmentation on (per-sample seeded), SGD with momentum, cosine schedule with warmup."""
+    return ["--run.output-dir", str(out), "--run.name", name, "--data.path", str(data), "--data.num-classes", "4",
+            "--data.image-size", "16", "--data.num-workers", "2", "--model.name", "resnet18", "--model.norm", "group",
+            "--train.steps", str(STEPS), "--train.global-batch-size", "16", "--train.micro-batch-size", "4",
+            "--sched.warmup-steps", "2", "--ckpt.keep-last", "3", "--log.every", "1", "--log.tensorboard", "false",
+            "--log.progress", "off", *extra]
+
+
+class Job:
+    """``ddp-job launch`` (the torchrun agent) in its own session; its output is read line by line."""
+
+    def __init__(self, tmp: Path, launch_opts: list[str], args: list[str]) -> None:
+        self.t0 = time.monotonic()
+        self.lines: list[tuple[float, str]] = []
+        self.cond = threading.Condition()
+        cmd = [bin_path("ddp-job"), "launch", "--standalone", "--nproc-per-node", "2", *launch_opts, "--", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            with self.cond:
+                self.lines.append((time.monotonic(), line))
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    @property
+    def text(self) -> str:
+        with self.cond:
+            return "".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 300) -> tuple[float, re.Match[str]]:
+        """(time seen, match) of the first output line matching ``pattern``."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        i = 0
+        with self.cond:
+            while True:
+                for t, line in self.lines[i:]:
+                    if m := rx.search(line):
+                        return t, m
+                i = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self.cond.wait(0.5) and i == len(self.lines)):
+                    raise AssertionError(f"no line matching {pattern!r} (exit {self.proc.poll()}):\n{self.tail()}")
+                self.cond.wait(min(left, 1.0))
+
+    def worker_pid(self, rank: int) -> int:
+        return int(self.wait_for(rf"\brank {rank}/2 .*pid=(\d+)")[1][1])
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def finish(self, timeout: float = 300) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"job did not finish in {timeout} s:\n{self.tail()}") from None
+        time.sleep(0.2)  # let the reader drain
+        return rc
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for child in _descendants(self.proc.pid):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, n: int = 60) -> str:
+        return "".join(self.text.splitlines(keepends=True)[-n:])
+
+
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids = [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for k in kids:
+            out += [k, *_descendants(k)]
+    return out
+
+
+@pytest.fixture
+def jobs():
+    started: list[Job] = []
+    yield started
+    for job in started:  # never leave workers behind, whatever failed
+        job.kill()
+
+
+def final_state(run_dir: Path) -> dict:
+    path = run_dir / f"step-{STEPS:07d}" / "state.pt"
+    assert path.is_file(), f"missing {path}: {sorted(p.name for p in run_dir.iterdir())}"
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+# --- exact resume through every kind of interruption ------------------------------------------------------
+
+def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path: Path, tiny_data: Path, jobs: list[Job]) -> None:
+    out = tmp_path / "runs"
+    # The reference runs alongside the first attempt (overlapping the start-up of both).
+    ref = Job(tmp_path, [], train_args(tiny_data, out, "ref"))
+    jobs.append(ref)
+    chain = train_args(tiny_data, out, "chain")
+    run_dir = out / "chain"
+
+    # 1. SIGTERM to the agent (what Kubernetes and scancel do) right after step 2 is logged: it lands during
+    #    step 3's first micro-batch, i.e. in the middle of gradient accumulation. A second SIGTERM, sent to
+    #    the workers themselves while they save, must change nothing.
+    a1 = Job(tmp_path, [], [*chain, "--ckpt.every", "0"])
+    jobs.append(a1)
+    t1, _ = a1.wait_for(rf"\[rank 0/2\] INFO step 1/{STEPS} ")
+    t2, _ = a1.wait_for(rf"\[rank 0/2\] INFO step 2/{STEPS} ")
+    a1.wait_for(rf"\[rank 1/2\] INFO step 2/{STEPS} ")  # both ranks are past step 2
+    time.sleep(min(max(0.25 * (t2 - t1), 0.05), 2.0))  # a quarter of a step into step 3: its first micro-batch
+    a1.signal(signal.SIGTERM)
+    _, m = a1.wait_for(r"stop requested \(signal SIGTERM, received during ([^)]*)\): saving at step (\d+)")
+    for rank in (0, 1):
+        os.kill(a1.worker_pid(rank), signal.SIGTERM)
+    assert a1.finish() == 143, a1.tail()
+    landed = re.findall(r"received during (step \d+ micro-batch \d/2)", a1.text)
+    assert any(w.endswith("1/2") for w in landed), f"the signal did not land during accumulation: {m[0]}\n{a1.tail()}"
+    stop1 = int(m[2])
+    assert stop1 < 4, "attempt 2 needs step 4 ahead of it"
+    assert sorted(int(p.name[5:]) for p in run_dir.glob("step-???????")) == [stop1]
+
+    # 2. Async saving on; SIGTERM while the background write of step 4 is in flight.
+    a2 = Job(tmp_path, [], [*chain, "--ckpt.every", "4", "--ckpt.async-save", "on"])
+    jobs.append(a2)
+    a2.wait_for(rf"resumed from .*step-{stop1:07d}")
+    a2.wait_for(r"writing checkpoint .*step-0000004 in the background")
+    a2.signal(signal.SIGTERM)
+    a2.wait_for(r"\[rank 0/2\] INFO stop requested \(signal SIGTERM, received during [^)]*a checkpoint write was in flight\)")
+    assert a2.finish() == 143, a2.tail()
+
+    # 3. SIGUSR1 to the agent only (Slurm's --signal=B:USR1 reaches the launching process, not the workers).
+    a3 = Job(tmp_path, [], chain)
+    jobs.append(a3)
+    _, m = a3.wait_for(r"resumed from .*step-(\d+)")
+    resumed3 = int(m[1])
+    a3.wait_for(rf"\[rank 0/2\] INFO step {resumed3 + 1}/{STEPS} ")
+    a3.signal(signal.SIGUSR1)
+    _, m = a3.wait_for(r"stop requested \(signal SIGUSR1[^)]*\): saving at step (\d+)")
+    assert a3.finish() == 143, a3.tail()
+    stop3 = int(m[1])
+    assert stop3 < STEPS - 1, "leave room for the kill -9 attempt"
+
+    # 4. kill -9 of rank 1 under --max-restarts 1: the agent restarts the group, which resumes and completes.
+    a4 = Job(tmp_path, ["--max-restarts", "1"], [*chain, "--ckpt.every", "0"])
+    jobs.append(a4)
+    a4.wait_for(rf"resumed from .*step-{stop3:07d}")
+    victim = a4.worker_pid(1)
+    a4.wait_for(rf"\[rank 0/2\] INFO step {stop3 + 1}/{STEPS} ")
+    os.kill(victim, signal.SIGKILL)
+    assert a4.finish() == 0, a4.tail()
+    resumes = [m.start() for m in re.finditer(r"\[rank 0/2\] INFO resumed from \S+ \(step (\d+)", a4.text)]
+    assert len(resumes) == 2, f"expected a start and one restart, each resuming:\n{a4.tail()}"
+    assert re.findall(r"\[rank 0/2\] INFO resumed from \S+ \(step (\d+)", a4.text) == [str(stop3)] * 2
+    before_restart = a4.text[:resumes[1]]
+    last_logged = max(int(s) for s in re.findall(rf"\[rank 0/2\] INFO step (\d+)/{STEPS} ", before_restart))
+    print(f"\nkill -9 of a worker after step {last_logged} was logged: restarted from step {stop3}, "
+          f"{last_logged - stop3} completed step(s) recomputed (plus the step in flight)")
+    assert f"FINAL step={STEPS}" in a4.text
+
+    assert ref.finish() == 0, ref.tail()
+    want, got = final_state(out / "ref"), final_state(run_dir)
+    for key in ("model", "optimizer", "scheduler", "scaler"):
+        assert_bitwise_equal(want[key], got[key], key)
+    for key in ("step", "epoch", "micro_batches_in_epoch", "samples_seen"):
+        assert want["trainer"][key] == got["trainer"][key], key
+    for step_dir in run_dir.glob("step-*"):
+        assert ".tmp" not in step_dir.name, f"torn save left behind: {step_dir}"
+
+
+# --- a rank that stops participating ------------------------------------------------------------------------
+
+def test_hung_peer_ends_in_a_timeout_error(tmp_path: Path, tiny_data: Path, jobs: list[Job]) -> None:
+    timeout_s = 10
+    job = Job(tmp_path, [], train_args(tiny_data, tmp_path / "runs", "hang", "--train.steps", "200",
+                                        "--dist.train-timeout-s", str(timeout_s), "--data.num-workers", "0"))
+    jobs.append(job)
+    peer = job.worker_pid(1)
+    job.wait_for(r"\[rank 0/2\] INFO step 2/200 ")
+    os.kill(peer, signal.SIGSTOP)  # alive, holding its sockets, never answering: a hung peer
+    t_hang = time.monotonic()
+    t_err, m = job.wait_for(r"\[rank 0/2\] ERROR failed: (collective timed out[^\n]*)", timeout=timeout_s + 120)
+    took = t_err - t_hang
+    print(f"\nhung peer -> timeout error on the survivor after {took:.1f} s (dist.train_timeout_s={timeout_s})")
+    assert took <= timeout_s + 30, f"error after {took:.1f} s"
+    assert "timed out" in m[1] and "dist.train_timeout_s" in m[1], m[1]
+    os.kill(peer, signal.SIGCONT)  # let the agent's shutdown proceed without waiting for its SIGKILL
+    rc = job.finish(timeout=180)
+    assert rc == 124, job.tail()
+    print(f"launcher exited {rc} {time.monotonic() - t_hang:.1f} s after the hang")
+
+
+# --- non-finite loss ------------------------------------------------------------------------------------------
+
+def test_nan_loss_skips_the_update_and_is_never_saved(tmp_path: Path, tiny_data: Path) -> None:
+    out = tmp_path / "runs"
+    common = train_args(tiny_data, out, "nan", "--train.steps", "4", "--ckpt.every", "1", "--ckpt.keep-last", "10",
+                        "--train.micro-batch-size", "0", "--data.num-workers", "0")
+    # Both runs at once (one skips twice and completes, one is allowed a single skip): start-up overlaps.
+    env = base_env(tmp_path)
+    procs = [subprocess.Popen([bin_path("ddp-job"), "train", *common, *extra], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for extra in (["--train.inject-nan-at-steps", "[2,3]"],
+                           ["--run.name", "nan-stop", "--train.inject-nan-at-steps", "[2,3]", "--train.max-nonfinite-skips", "1"])]
+    (out1, err1), (out2, err2) = (p.communicate(timeout=600) for p in procs)
+    r = subprocess.CompletedProcess([], procs[0].returncode, out1, err1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(re.findall(r"step [23]: non-finite loss or gradient norm; update skipped", r.stderr + r.stdout)) == 2
+    states = {int(p.name[5:]): torch.load(p / "state.pt", weights_only=True) for p in (out / "nan").glob("step-???????")}
+    assert sorted(states) == [1, 2, 3, 4]
+    for step, st in states.items():
+        for name, t in st["model"].items():
+            assert torch.isfinite(t).all(), f"step {step}: {name}"
+    for name in states[1]["model"]:  # steps 2 and 3 changed nothing
+        assert torch.equal(states[1]["model"][name], states[3]["model"][name]), name
+    assert any(not torch.equal(states[3]["model"][n], states[4]["model"][n]) for n in states[1]["model"])
+    assert states[4]["trainer"]["nonfinite_skips"] == 2
+
+    r = subprocess.CompletedProcess([], procs[1].returncode, out2, err2)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "step 3: more than train.max_nonfinite_skips=1" in r.stderr + r.stdout
+    saved = sorted(int(p.name[5:]) for p in (out / "nan-stop").glob("step-???????"))
+    assert saved == [1, 2]
+    st = torch.load(out / "nan-stop" / "step-0000002" / "state.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in st["model"].values())
+
+
+# --- bad input: exit 2, the setting named, no traceback, nothing written ---------------------------------------
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _fake_checkpoint(run_dir: Path, argv: list[str], world_size: int) -> None:
+    """A checkpoint manifest as a run with ``argv`` would have written it (the refusals read only this)."""
+    import json
+
+    from job.config import config_to_dict, load_config
+
+    d = run_dir / "step-0000004"
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text(json.dumps({"step": 4, "world_size": world_size, "files": {},
+                                                 "config": config_to_dict(load_config(argv, {}))}))
+
+
+# (id, extra argv, extra env, setup(tmp, data) -> None, what the message must name)
+BAD_INPUTS = [
+    ("steps-zero", ["--train.steps", "0"], {}, None, "train.steps"),
+    ("lr-env-not-a-number", [], {"JOB_OPTIM__LR": "fast"}, None, "optim.lr"),
+    ("lr-negative", ["--optim.lr", "-1"], {}, None, "optim.lr"),
+    ("optimizer-unknown", ["--optim.name", "adamx"], {}, None, "optim.name"),
+    ("unknown-setting", ["--train.stepz", "5"], {}, None, "stepz"),
+    ("batch-not-divisible", ["--train.global-batch-size", "10", "--train.micro-batch-size", "4"], {}, None, "train.global_batch_size"),
+    ("image-size-tiny", ["--data.image-size", "4"], {}, None, "data.image_size"),
+    ("keep-last-zero", ["--ckpt.keep-last", "0"], {}, None, "ckpt.keep_last"),
+    ("signal-unknown", ["--train.stop-signals", "[SIGFOO]"], {}, None, "stop_signals"),
+    ("run-name-slash", ["--run.name", "a/b"], {}, None, "run.name"),
+    ("sync-bn-on-cpu", ["--model.sync-bn", "true"], {}, None, "model.sync_bn"),
+    ("fp16-on-cpu", ["--train.precision", "fp16"], {}, None, "train.precision"),
+    ("nccl-on-cpu", ["--dist.backend", "nccl"], {}, None, "dist.backend"),
+    ("config-missing", ["--config", "/nonexistent/x.yaml"], {}, None, "--config"),
+    ("config-bad-section", ["--config", "{tmp}/bad-section.yaml"], {},
+     lambda tmp, data: _write(tmp / "bad-section.yaml", "trian:\n  steps: 3\n"), "trian"),
+    ("config-bad-yaml", ["--config", "{tmp}/bad.yaml"], {}, lambda tmp, data: _write(tmp / "bad.yaml", "train: [1,\n"), "YAML"),
+    ("data-path-missing", ["--data.path", "/nonexistent/data"], {}, None, "data.path"),
+    ("data-classes-mismatch", ["--data.num-classes", "5"], {}, None, "data.num_classes"),
+    ("data-empty-class", ["--data.path", "{tmp}/holey"], {},
+     lambda tmp, data: [_write(tmp / "holey" / s / c / ("x.png" if c != "c1" or s == "val" else "notes.txt"), "x")
+                        for s in ("train", "val") for c in ("c0", "c1", "c2", "c3")], "class folder"),
+    ("env-rank-out-of-range", [], {"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, None, "RANK"),
+    ("env-world-size-not-int", [], {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, None, "WORLD_SIZE"),
+    ("env-bad-port", [], {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, None, "MASTER_PORT"),
+    ("output-dir-is-a-file", ["--run.output-dir", "{tmp}/afile"], {}, lambda tmp, data: _write(tmp / "afile", "x"), "run.output_dir"),
+    ("output-dir-read-only", ["--run.output-dir", "{tmp}/ro"], {}, "readonly", "run.output_dir"),
+    ("resume-config-changed", ["--optim.lr", "0.5"], {}, "checkpoint-lr", "optim.lr"),
+    ("resume-world-size-changed", [], {}, "checkpoint-ws2", "world_size=2"),
+]
+
+
+@pytest.mark.parametrize(("case", "argv", "env", "setup", "names"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_exits_2_naming_the_setting(tmp_path: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capfd: pytest.CaptureFixture[str], case: str, argv: list[str],
+                                               env: dict[str, str], setup, names: str) -> None:
+    """In-process (one torch import for the whole table) through the real CLI entry point."""
+    import torch.distributed as dist
+
+    from job import cli
+
+    out = tmp_path / "runs"
+    base = ["--run.output-dir", str(out), "--run.name", "bad", "--data.path", str(tiny_data), "--data.num-classes", "4",
+            "--data.image-size", "16", "--data.num-workers", "0", "--train.steps", "2", "--train.global-batch-size", "8",
+            "--log.tensorboard", "false"]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    run_dir = out / "bad"
+    if setup == "readonly":
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], capture_output=True, text=True)
+        require(r.returncode == 0, f"mount a read-only tmpfs: {r.stderr.strip()}")
+        run_dir = ro / "bad"
+    elif setup in ("checkpoint-lr", "checkpoint-ws2"):
+        _fake_checkpoint(run_dir, base, 2 if setup == "checkpoint-ws2" else 1)
+    elif setup is not None:
+        setup(tmp_path, tiny_data)
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) if run_dir.exists() else None
+    for k in [k for k in os.environ if k.startswith(("JOB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_"))]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def no_process_group(*a: object, **kw: object) -> None:
+        raise AssertionError("a process group was started before the input was checked")
+
+    monkeypatch.setattr(dist, "init_process_group", no_process_group)
+    try:
+        rc = cli.main(["train", *base, *argv])
+        err = capfd.readouterr().err
+    finally:
+        if setup == "readonly":
+            subprocess.run(["umount", "-l", str(tmp_path / "ro")], check=False)
+    assert rc == 2, err[-2000:]
+    assert names in err, err
+    assert "Fix" in err or "Valid sections" in err or "--help" in err, err  # the last two: job.config's wording
+    assert "Traceback" not in err
+    after = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) if run_dir.exists() else None
+    assert after == before, f"the run directory changed: {before} -> {after}"
+
+
+def test_bad_input_from_the_console_script_and_traceback_flag(tmp_path: Path) -> None:
+    env = base_env(tmp_path)
+    cmd = [bin_path("ddp-job"), "train", "--run.output-dir", str(tmp_path / "runs"), "--train.steps", "0"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "train.steps" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([*cmd, "--traceback"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_launch_forwards_usr1_and_usr2_unless_the_user_chose_the_signals() -> None:
+    from job.launch import build_torchrun_args, with_stop_signals
+
+    default = build_torchrun_args(["--nproc-per-node", "2", "--", "--train.steps", "1"]).signals_to_handle
+    assert with_stop_signals(default).split(",") == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"]
+    assert with_stop_signals("SIGTERM,SIGUSR2") == "SIGTERM,SIGUSR2"
