@@ -45,6 +45,14 @@ class CheckpointWriteError(RuntimeError):
     """A save failed (e.g. ENOSPC). Earlier checkpoints are untouched."""
 
 
+class NonFiniteStateError(CheckpointWriteError):
+    """The state to save holds NaN/Inf: refused, so no checkpoint ever holds non-finite values."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint verified but cannot be loaded safely (weights_only=True refused it)."""
+
+
 @dataclass(frozen=True)
 class Found:
     step: int
@@ -124,12 +132,40 @@ def find_latest(run_dir: Path) -> Found | None:
 
 
 def load_state(found: Found) -> dict[str, Any]:
-    return torch.load(found.path / STATE_FILE, map_location="cpu", weights_only=True)
+    path = found.path / STATE_FILE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - pickle.UnpicklingError, RuntimeError, ... all mean "refused"
+        raise CheckpointLoadError(
+            f"{path} verifies against its manifest but torch.load(weights_only=True) refused it "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}). A checkpoint may hold only tensors and "
+            f"plain containers; this one was not written by ddp-job or was tampered with. It is never loaded "
+            f"with weights_only=False. Fix: move {found.path} out of the run directory to resume from the one before."
+        ) from None
+
+
+def nonfinite_entries(obj: Any, prefix: str = "") -> list[str]:
+    """Keys (dotted paths) of floating-point tensors in ``obj`` that hold NaN or Inf."""
+    if isinstance(obj, torch.Tensor):
+        bad = obj.is_floating_point() and obj.numel() > 0 and not bool(torch.isfinite(obj).all())
+        return [prefix or "<tensor>"] if bad else []
+    if isinstance(obj, dict):
+        return [k for key, v in obj.items() for k in nonfinite_entries(v, f"{prefix}.{key}" if prefix else str(key))]
+    if isinstance(obj, (list, tuple)):
+        return [k for i, v in enumerate(obj) for k in nonfinite_entries(v, f"{prefix}[{i}]")]
+    return []
 
 
 def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
     final = run_dir / step_dir_name(step)
     tmp = run_dir / f"{final.name}.tmp-{os.getpid()}-{threading.get_ident() % 10000}"
+    bad = nonfinite_entries(state)
+    if bad:
+        raise NonFiniteStateError(
+            f"not saving checkpoint {final}: non-finite values in {', '.join(bad[:5])}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            + ". Earlier checkpoints are intact. Fix: lower optim.lr, set train.grad_clip_norm, or check the data."
+        )
     try:
         tmp.mkdir(parents=True)
         state_path = tmp / STATE_FILE
@@ -145,21 +181,41 @@ def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dic
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if final.exists():
-            # Same step saved before (e.g. preempted right after a periodic save): keep the one on disk.
-            shutil.rmtree(tmp, ignore_errors=True)
+            if verify(final)[0]:
+                # Same step saved before (e.g. preempted right after a periodic save): keep the one on disk.
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
+            # A corrupted checkpoint of this step (resume fell back past it): move it to a name that is
+            # ignored and cleaned, then put the new one in place. Never a moment without a valid newest one.
+            broken = run_dir / f"{final.name}.tmp-broken-{os.getpid()}"
+            os.rename(final, broken)
+            log.warning("replacing corrupted checkpoint %s", final)
+            os.rename(tmp, final)
+            _fsync_dir(run_dir)
+            shutil.rmtree(broken, ignore_errors=True)
             return final
         os.rename(tmp, final)
         _fsync_dir(run_dir)
         return final
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save's zip writer turns ENOSPC into a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
         need = sum(t.numel() * t.element_size() for t in _tensors(state))
+        cause = _os_error(e)
         raise CheckpointWriteError(
-            f"writing checkpoint {final} failed: {e.strerror or e}. It needs about {need / 2**20:.1f} MiB; "
+            f"writing checkpoint {final} failed: {cause.strerror if cause else e}. It needs about {need / 2**20:.1f} MiB; "
             f"{free / 2**20:.1f} MiB are free on that filesystem. Earlier checkpoints are intact. "
             f"Fix: free space, lower ckpt.keep_last, or point run.output_dir elsewhere."
         ) from e
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind ``e`` (itself, or its cause/context chain), if any."""
+    while e is not None:
+        if isinstance(e, OSError) and e.strerror:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -201,6 +257,7 @@ class CheckpointManager:
             return
         state = to_host(state_fn())
         if self.async_save:
+            log.info("writing checkpoint %s in the background", self.run_dir / step_dir_name(step))
             self._thread = threading.Thread(target=self._write_and_prune, args=(step, state, meta), name="ckpt-writer", daemon=False)
             self._thread.start()
         else:
@@ -220,6 +277,11 @@ class CheckpointManager:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+    def in_flight(self) -> bool:
+        """True while a background write runs (safe to call from a signal handler: no locks)."""
+        t = self._thread
+        return t is not None and t.is_alive()
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is on disk; re-raise its error here."""

@@ -39,6 +39,24 @@ AGENT_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 _TARGET_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
 
 
+TORCHRUN_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def with_stop_signals(signals_to_handle: str) -> str:
+    """torchrun's ``--signals-to-handle`` with SIGUSR1/SIGUSR2 added, unless the user chose the list.
+
+    torchrun's agent forwards only the listed signals to its workers; USR1/USR2 (Slurm ``--signal``,
+    submitit) would otherwise kill the agent (their default action) and orphan the workers. Listed, the
+    agent sends them to every worker, which saves at the next step boundary and exits 143, while the agent
+    waits ``--shutdown-timeout`` seconds (default 30) before SIGKILL: one step plus one checkpoint write
+    must fit in it (raise it with --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT). The run
+    directory's STOP file remains the way for launchers that signal nothing but a shell (job.preempt).
+    """
+    if signals_to_handle.replace(" ", "") != TORCHRUN_DEFAULT_SIGNALS:
+        return signals_to_handle
+    return TORCHRUN_DEFAULT_SIGNALS + ",SIGUSR1,SIGUSR2"
+
+
 def standalone_argv(nproc: int, train_argv: Sequence[str]) -> list[str]:
     """``ddp-job launch`` arguments for ``ddp-job train`` starting ``nproc`` workers on this machine."""
     return ["--standalone", "--nproc-per-node", str(nproc), "--", *train_argv]
@@ -135,6 +153,7 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     for name, value in AGENT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    args.signals_to_handle = with_stop_signals(args.signals_to_handle)
 
     exits: list[int] = []
     try:

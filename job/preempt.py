@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
@@ -33,6 +33,12 @@ class StopRequest:
     def __init__(self, run_dir: Path) -> None:
         self.stop_file = run_dir / STOP_FILE
         self.signal_name: str | None = None
+        self.signals_received = 0
+        self.where = "start-up"
+        """What the loop is doing now (set by the loop, cheap): recorded when a signal lands."""
+        self.busy: Callable[[], bool] = lambda: False
+        """Whether a checkpoint write is in flight (e.g. CheckpointManager.in_flight); read when a signal lands."""
+        self.received_during = ""
         self._previous: dict[int, object] = {}
 
     def install(self, signal_names: Iterable[str]) -> None:
@@ -44,8 +50,12 @@ class StopRequest:
             self._previous[signum] = signal.signal(signum, self._handler)
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        # Only set a flag: no I/O, no locks, no collectives in a handler.
-        self.signal_name = signal.Signals(signum).name
+        # Only set a flag (and note where it landed): no I/O, no locks, no collectives in a handler.
+        # A second signal (e.g. during the save) changes nothing but the count.
+        self.signals_received += 1
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            self.received_during = self.where + ("; a checkpoint write was in flight" if self.busy() else "")
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -61,5 +71,17 @@ class StopRequest:
 
     def reason(self) -> str:
         if self.signal_name:
-            return f"signal {self.signal_name}"
+            return f"signal {self.signal_name}, received during {self.received_during}"
         return f"stop file {self.stop_file}"
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: worker processes ignore the stop signals; their trainer handles them.
+
+    torchrun's agent delivers a signal with ``killpg`` to each rank's process group, which includes the
+    rank's DataLoader workers. A worker killed by it makes the DataLoader raise ("worker ... is killed by
+    signal: Terminated") in the trainer before it reaches the step boundary and saves. Workers still
+    exit with their trainer (DataLoader's parent watchdog) and on SIGKILL.
+    """
+    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)

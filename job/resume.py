@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch
 
 from job.config import JobConfig, config_to_dict
 from job.exitcodes import BadInput
+
+log = logging.getLogger("job")
 
 # Settings that may differ between the saved run and the resumed one without changing the math:
 # where things live, how processes are launched, logging, checkpoint cadence, the training horizon.
@@ -63,7 +66,32 @@ def config_differences(saved: dict[str, Any], current: JobConfig) -> list[str]:
             if a.get(k) != b.get(k) and not k.startswith(MAY_CHANGE)]
 
 
-def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int) -> None:
+def map_data_position(trainer: dict[str, Any], saved_plan: dict[str, Any], world_size: int, micro_batch_size: int) -> int:
+    """This layout's ``micro_batches_in_epoch`` for a position saved with another world size / micro batch.
+
+    A position is "samples consumed in the epoch" = micro-batches x saved world size x saved micro batch
+    (job.data: a row of W x m samples per micro-batch, the same global order for every W). It maps onto
+    the new layout when that count is a whole number of new rows; saves happen at optimizer-step
+    boundaries, so this holds whenever train.global_batch_size is unchanged.
+
+    Raises:
+        BadInput: the position falls inside a row of the new layout.
+    """
+    saved_row = int(saved_plan["world_size"]) * int(saved_plan["micro_batch_size"])
+    samples = int(trainer["micro_batches_in_epoch"]) * saved_row
+    row = world_size * micro_batch_size
+    if samples % row:
+        raise BadInput(
+            f"cannot map the saved data position ({samples} samples into epoch {trainer.get('epoch')}, saved with "
+            f"world_size={saved_plan['world_size']} x micro batch {saved_plan['micro_batch_size']}) onto "
+            f"world_size={world_size} x micro batch {micro_batch_size}: {samples} is not a multiple of {row}. "
+            f"Fix: keep train.global_batch_size={saved_plan.get('global_batch_size')} and choose "
+            f"train.micro_batch_size so that it divides the position, or resume with {saved_plan['world_size']} processes."
+        )
+    return samples // row
+
+
+def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int, micro_batch_size: int | None = None) -> None:
     """Refuse a resume that would silently change the run; say what differs and which flag allows it.
 
     World-size changes: the data position is stored per optimizer step and each global batch holds the
@@ -83,5 +111,50 @@ def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int) -
         raise BadInput(
             f"the newest checkpoint (step {manifest.get('step')}) was written with world_size={saved_ws}, "
             f"this run has world_size={world_size}. Fix: launch {saved_ws} processes, or pass "
-            f"--ckpt.allow-world-size-change true (the data order is kept when train.global_batch_size is unchanged)."
+            f"--ckpt.allow-world-size-change true (supported: the data position is mapped by samples consumed, "
+            f"so the sample order is kept when train.global_batch_size is unchanged; per-rank RNG streams are re-seeded "
+            f"and results match the uninterrupted run up to floating-point summation order)."
+        )
+    trainer, saved_plan = manifest.get("trainer"), manifest.get("plan")
+    if saved_ws != world_size and micro_batch_size is not None and trainer and saved_plan:
+        map_data_position(trainer, saved_plan, world_size, micro_batch_size)  # raises BadInput if it cannot
+
+
+def find_resume(cfg: JobConfig, world_size: int, micro_batch_size: int) -> Any:
+    """The checkpoint to resume from (a ``job.checkpoint.Found``) or None; refusals raise BadInput.
+
+    Runs in preflight, before any process group or write: a refused resume leaves the run directory as
+    it was. Every rank scans the same directory; ``train.run`` checks they agree.
+    """
+    from job import checkpoint as ckpt
+
+    if not cfg.ckpt.resume:
+        existing = ckpt.scan(cfg.run_dir)
+        if existing:
+            # Not refused (benchmarks re-run with resume=false on purpose), but a later resume would pick
+            # these up, and a save of a step that exists keeps the one on disk.
+            log.warning(
+                "ckpt.resume=false: ignoring %d checkpoint(s) in %s (newest %s); a later run with ckpt.resume=true "
+                "resumes from the newest of all. Use a new run.name to keep runs apart.",
+                len(existing), cfg.run_dir, existing[0][1].name)
+        return None
+    found = ckpt.find_latest(cfg.run_dir)
+    if found is not None:
+        check_resumable(found.manifest, cfg, world_size, micro_batch_size)
+    return found
+
+
+def agree_on_checkpoint(found: Any, group: Any = None) -> None:
+    """All ranks must resume from the same step (each scanned the run directory itself): a shared
+    filesystem that shows ranks different directories would otherwise train diverged replicas."""
+    import torch.distributed as dist
+
+    step = -1 if found is None else int(found.step)
+    t = torch.tensor([step, -step], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    newest, oldest = int(t[0]), -int(t[1])
+    if newest != oldest:
+        raise RuntimeError(
+            f"ranks found different newest checkpoints (steps {oldest} to {newest}; -1 = none). The run directory "
+            f"must be on a filesystem every rank sees the same way. Fix: put run.output_dir on shared storage."
         )
