@@ -8,7 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
+from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_TIMEOUT, BadInput
 
 USAGE = """usage: ddp-job COMMAND [ARGS]
 
@@ -58,16 +58,7 @@ def _train(argv: list[str]) -> int:
             return launch.launch_main(launch.standalone_argv(nproc, argv))
     from job.train import main as train_main
 
-    code = train_main(argv)
-    if code == EXIT_PREEMPTED:
-        # The checkpoint is on disk (fsynced, background write joined) and the process group is torn down.
-        # Leave now: interpreter finalisation (C++ destructors of torch/gloo state, DataLoader workers) took
-        # 13-20 s here, and the launcher's kill timer (torchrun: 30 s after its signal) is running.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(code)
-    return code
+    return train_main(argv)  # entrypoint() leaves with os._exit: no slow teardown after a preemption save
 
 
 def _config(argv: list[str]) -> int:
