@@ -79,6 +79,13 @@ def _resumed_steps(log: str) -> list[int]:
     return [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)", log)]
 
 
+def _print_timeline(sim: ks.Simulation, t0: float) -> None:
+    """Pod events relative to the fault (shown with pytest -s): where the restart time goes."""
+    for t, pod, what in sim.events:
+        if t >= t0 - 1:
+            print(f"  {t - t0:+7.1f} s  {pod:24} {what}")
+
+
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if item)
@@ -145,6 +152,7 @@ def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
         assert sim.wait(TIMEOUT) == "Succeeded"
     worker, master = sim.pods["ddp-smoke-worker-0"], sim.pods["ddp-smoke-master-0"]
     print(f"\nkill -9 worker pod -> trainers resumed after {resume_s:.1f} s (kubelet back-off 10 s)")
+    _print_timeline(sim, t_kill)
     assert worker.exit_codes[0] == 137 and worker.restarts >= 1 and worker.generation == 0
     assert master.exit_codes[0] != 0 and master.exit_codes[-1] == 0
     resumed = _resumed_steps(sim.log(master.name))
@@ -167,6 +175,7 @@ def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
         resume_s = time.monotonic() - t_drain
         assert sim.wait(TIMEOUT) == "Succeeded"
     print(f"\nnode drain -> trainers resumed after {resume_s:.1f} s")
+    _print_timeline(sim, t_drain)
     for name, pod in sim.pods.items():
         assert pod.exit_codes[0] == 143, (name, pod.exit_codes)
         assert pod.generation == 1 and pod.ip != old_ips[name]
@@ -189,4 +198,5 @@ def test_elastic_worker_joins_late(tmp_path: Path) -> None:
     log0, log1 = sim.log("ddp-smoke-elastic-worker-0"), sim.log("ddp-smoke-elastic-worker-1")
     assert "rank 0/2 local 0/2 node 0/1" in log0  # alone first
     assert re.search(r"rank \d/4 local \d/2 node \d/2", log1)  # then a 4-process group
-    assert _resumed_steps(log0 + log1) and _final_step(log0 + log1) == _steps(sim)
+    saved = re.findall(r"saving at step (\d+) and exiting 143", log0)  # the agent restarts the group
+    assert saved and _resumed_steps(log1)[0] == int(saved[0]) and _final_step(log0 + log1) == _steps(sim)
