@@ -3,14 +3,22 @@
 Handlers only set a flag (saving inside a handler can deadlock: Lightning#21406). Two ways to ask a run
 to stop, both checked at every step boundary:
 
-* a signal in ``train.stop_signals`` delivered to the worker (SIGTERM/SIGINT reach torchrun workers);
-* the stop file ``<run_dir>/STOP``, for signals torchrun does not forward to its workers (USR1/USR2 from
-  Slurm's ``--signal``): the launch script traps them and touches the file.
+* a signal in ``train.stop_signals`` delivered to the worker. Plain torchrun forwards only
+  SIGTERM/SIGINT/SIGHUP/SIGQUIT; ``ddp-job launch`` (and ``ddp-job train`` launching itself) adds
+  SIGUSR1/SIGUSR2 to torchrun's ``--signals-to-handle`` (job.launch.with_stop_signals), so a USR1/USR2
+  sent to the agent only (Slurm ``--signal=B:...``) reaches every worker too;
+* the stop file ``<run_dir>/STOP``, for launchers that can only run a shell command (slurm/train.sbatch
+  traps USR1/USR2 and touches it; works with plain torchrun and across nodes on a shared filesystem).
+
+The agent delivers signals with killpg to each rank's process group, which holds the rank's DataLoader
+workers: they ignore the stop signals (``ignore_stop_signals``), otherwise their death makes the
+DataLoader raise in the trainer before it can save.
 
 Then all ranks agree with an all-reduce (MAX), so every rank stops after the same step, rank 0 saves, and
-all exit with EXIT_PREEMPTED. Time budget: one step + one checkpoint write must fit before the launcher's
-hard kill (torchrun: 30 s after SIGTERM; Slurm: the ``--signal`` lead time; Kubernetes:
-terminationGracePeriodSeconds).
+all exit with EXIT_PREEMPTED. Time budget: the rest of the current step + one checkpoint write (sync: the
+whole write; async: the host copy plus the wait for any write in flight) + process exit must fit before the
+launcher's hard kill (torchrun: ``--shutdown-timeout``, default 30 s after it forwards the signal; Slurm:
+the ``--signal`` lead time; Kubernetes: terminationGracePeriodSeconds). A second signal only bumps a count.
 """
 
 from __future__ import annotations
