@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import multiprocessing
 import os
+import signal
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,40 +249,38 @@ class Loaders:
             epoch, start_batch = epoch + 1, 0
 
 
-_LOADERS_WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+_WORKERS: "weakref.WeakSet[multiprocessing.process.BaseProcess]" = weakref.WeakSet()
+
+
+class WorkerTrackingLoader(DataLoader):
+    """A DataLoader that records its worker processes, so that `_kill_workers_at_exit` finds them."""
+
+    def _get_iterator(self):  # type: ignore[no-untyped-def]
+        it = super()._get_iterator()
+        if not _WORKERS:
+            atexit.unregister(_kill_workers_at_exit)
+            atexit.register(_kill_workers_at_exit)  # after multiprocessing's hook, so it runs before it
+        _WORKERS.update(getattr(it, "_workers", []))
+        return it
 
 
 def _kill_workers_at_exit() -> None:
-    """Stop the DataLoader workers still alive when the interpreter exits.
+    """SIGKILL the DataLoader workers still alive when the interpreter exits.
 
     The workers ignore SIGTERM (job.preempt.ignore_stop_signals). multiprocessing's own exit hook
-    terminates daemonic children with SIGTERM and then joins them, so a loader still referenced at exit
-    (a traceback cycle after a worker error, a global) would hang the process forever: the workers
-    outlive SIGTERM and their parent is alive. Registered after multiprocessing's hook, so it runs first.
+    terminates daemonic children with SIGTERM and then joins them, so a loader or iterator still
+    referenced at exit (a traceback after a worker error, pytest's excinfo, a global) would hang the
+    process forever: the workers outlive SIGTERM and their parent is alive (observed). Workers only
+    read files: nothing is lost by SIGKILL.
     """
-    for loader in list(_LOADERS_WITH_WORKERS):
-        it = getattr(loader, "_iterator", None)
-        if it is None:
-            continue
-        try:
-            # Asks each worker to exit (they do at once unless stuck) and unregisters them from torch's
-            # SIGCHLD check, which would otherwise raise "worker killed" at the kill below.
-            it._shutdown_workers()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-        for w in list(getattr(it, "_workers", None) or []):
-            if w.is_alive():
-                w.kill()  # SIGKILL: a worker only reads files; nothing to flush
-                w.join(5)
-
-
-def _track(loader: DataLoader) -> DataLoader:
-    if loader.num_workers > 0:
-        if not _LOADERS_WITH_WORKERS:
-            atexit.unregister(_kill_workers_at_exit)
-            atexit.register(_kill_workers_at_exit)
-        _LOADERS_WITH_WORKERS.add(loader)
-    return loader
+    workers = [w for w in list(_WORKERS) if w.is_alive()]
+    if not workers:
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's SIGCHLD check would raise "worker killed"
+    for w in workers:
+        w.kill()
+    for w in workers:
+        w.join(5)
 
 
 def _check_size(n: int, sampler: ResumableSampler, what: str) -> None:
@@ -307,14 +307,14 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
         # killed by SIGTERM makes the DataLoader raise in the trainer before it can save (job.preempt).
         kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor, worker_init_fn=ignore_stop_signals)
     train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
-    train = DataLoader(train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
+    train = WorkerTrackingLoader(train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
                        generator=torch.Generator().manual_seed(seed), **kw)
     val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
     val_sampler = ShardSampler(len(val_ds), rank, world_size)
-    val = DataLoader(val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False,
+    val = WorkerTrackingLoader(val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False,
                      generator=torch.Generator().manual_seed(seed), **kw)
     r = val_sampler.indices
-    return Loaders(CleanErrors(_track(train)), sampler, CleanErrors(_track(val)),
+    return Loaders(CleanErrors(train), sampler, CleanErrors(val),
                    ValInfo(len(val_ds), r.start, r.stop, layout.classes))
 
 
