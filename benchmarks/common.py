@@ -7,7 +7,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,5 +95,3 @@ def job_train_args(run_dir: Path, *, model: str, image_size: int, batch: int, st
     return args + list(extra)
 
 
-def now() -> float:
-    return time.time()

@@ -2,7 +2,7 @@
 # Issue 8 GPU benchmarks: ONE prepared command, at most ~8 minutes on one H200. Results (JSON lines + logs)
 # go to $OUT (default /tmp/bench-gpu); it refuses on a machine without a CUDA GPU.
 #   bash benchmarks/gpu_run.sh
-# 1. scaling: ResNet-50 bf16 channels_last, compile off/on, batch 128..512, images/s + MFU   (~4 min)
+# 1. scaling: ResNet-50 bf16 channels_last, compile off/on, batch 128..512, images/s + MFU   (~3.5 min)
 # 2. overhead: ddp-job train vs bare DDP loop (vs Lightning if installed), 1 GPU, ResNet-50 bf16 CL (~1.5 min)
 # 3. data: the trainer on synthetic data vs decoded JPEGs (ImageFolder, 8 workers), img/s + data-wait (~1.5 min)
 # Needs the project's venv with the CUDA build of torch (.venv, or PYTHON=...); the machine has no network.
@@ -27,8 +27,8 @@ step() {  # name timeout args...
   echo "$name rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
   tail -n 1 "$OUT/$name.log" >> "$OUT/results.jsonl"
 }
-step scaling 240 --batches 128,256,384,512 --compile both --steps 20
-step overhead 110 --nprocs 1 --reps 2 --steps 60 --warmup 15 --log-every 5 --model resnet50 --image-size 224 \
+step scaling 220 --batches 128,256,384,512 --compile both --steps 20
+step overhead 100 --nprocs 1 --reps 1 --steps 60 --warmup 15 --log-every 5 --model resnet50 --image-size 224 \
   --batch 256 --precision bf16 --channels-last --lightning auto
 # data: synthetic vs decoded real data through the trainer (JPEG 224 px ImageFolder, 8 workers)
 "$PY" -m job make-data --out "$OUT/data" --classes 10 --per-class 300 --size 256 --format jpeg > "$OUT/make_data.log" 2>&1
