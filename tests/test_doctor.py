@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, base_env, bin_path, make_data, require_tool
+from conftest import ROOT, base_env, bin_path, make_data, require_tool
 
 ARGS = ["--data.num-classes", "4", "--data.image-size", "16", "--train.global-batch-size", "8",
         "--doctor.rendezvous-timeout-s", "2", "--doctor.comm-iters", "3", "--model.name", "resnet18"]
