@@ -410,7 +410,7 @@ def _check_yaml(path: Path) -> None:
     for section in data or {}:
         if section not in JobConfig.model_fields:
             raise BadInput(
-                f"--config {path}: unknown section {section!r}. Valid sections: {', '.join(JobConfig.model_fields)}."
+                f"--config {path}: unknown section {section!r}. Fix: use one of the valid sections: {', '.join(JobConfig.model_fields)}."
             )
 
 
@@ -473,7 +473,7 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     except ValidationError as e:
         raise BadInput(_describe_validation_error(e)) from None
     except SettingsError as e:
-        raise BadInput(f"bad command line or JOB_* variable: {e}. Run `ddp-job train --help` for all settings.") from None
+        raise BadInput(f"bad command line or JOB_* variable: {e}. Fix: correct or remove it; `ddp-job train --help` lists every setting.") from None
     # Return the plain JobConfig type so pickling/equality never depend on the per-call subclass.
     return JobConfig.model_construct(**{name: getattr(resolved, name) for name in JobConfig.model_fields})
 

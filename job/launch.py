@@ -128,7 +128,11 @@ def map_exit_codes(exitcodes: Iterable[int]) -> int:
     Only a code a worker *returned* counts as preempted: 143 from a worker that saved. A worker *killed* by
     SIGTERM (-15, e.g. torchrun stopping the peers of a crashed rank) is a failure, not "resume me"."""
     codes = list(exitcodes)
-    for wanted in (EXIT_PREEMPTED, EXIT_BAD_INPUT, EXIT_TIMEOUT):
+    # "Resume me" only when every failed worker either saved-and-stopped or was a peer torchrun terminated
+    # with SIGTERM afterwards; a rank that crashed (e.g. during the save) makes it a failure.
+    if EXIT_PREEMPTED in codes and all(c in (0, EXIT_PREEMPTED, -15) for c in codes):
+        return EXIT_PREEMPTED
+    for wanted in (EXIT_BAD_INPUT, EXIT_TIMEOUT):
         if wanted in codes:
             return wanted
     failed = [c for c in codes if c != 0]

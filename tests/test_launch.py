@@ -89,10 +89,11 @@ def test_standalone_argv() -> None:
 @pytest.mark.parametrize(
     ("codes", "expected"),
     [
-        ([1, 143], EXIT_PREEMPTED),
-        ([143, -15], EXIT_PREEMPTED),
+        ([143, 143], EXIT_PREEMPTED),
+        ([143, -15], EXIT_PREEMPTED),  # a peer torchrun terminated after the save is still "resume me"
+        ([1, 143], EXIT_FAILURE),  # a rank crashed (e.g. during the save): not resumable as-is
         ([2, 1], EXIT_BAD_INPUT),
-        ([1, 2, 143], EXIT_PREEMPTED),
+        ([1, 2, 143], EXIT_BAD_INPUT),
         ([1, 124], EXIT_TIMEOUT),
         ([124, 2], EXIT_BAD_INPUT),
         ([7, 1], 7),  # the first failure's own code
