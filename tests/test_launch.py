@@ -150,12 +150,13 @@ def test_success_runs_job_train_with_the_train_args(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("plan", "on_signal", "expected"),
     [
-        ("0:1,1:143:1", "own", EXIT_PREEMPTED),  # 143 wins over 1
+        ("0:0,1:143:1", "own", EXIT_PREEMPTED),  # one rank saved and stopped, none crashed: resume me
+        ("0:1,1:143:1", "own", EXIT_FAILURE),  # a crashed rank outranks 143: the save may be missing
         ("0:1,1:2:1", "own", EXIT_BAD_INPUT),  # 2 wins over 1
         # rank 0 fails with 7; torchrun then SIGTERMs rank 1 (dies: -15). The first failure's code, not 143.
         ("0:7,1:0:30", None, 7),
     ],
-    ids=["143-wins", "2-wins", "first-failure"],
+    ids=["143-wins", "crash-beats-143", "2-wins", "first-failure"],
 )
 def test_worker_exit_codes_are_mapped(tmp_path: Path, plan: str, on_signal: str | None, expected: int) -> None:
     rc, out = _finish(_launch(tmp_path, plan, on_signal))
