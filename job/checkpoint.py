@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,8 +232,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 class CheckpointManager:
     """Saves (rank 0 only), prunes to the newest ``keep_last`` valid checkpoints, finds the latest."""
 
-    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, is_main: bool) -> None:
+    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, is_main: bool, write_delay_s: float = 0.0) -> None:
         self.run_dir = run_dir
+        self.write_delay_s = write_delay_s
         self.keep_last = keep_last
         self.async_save = async_save
         self.is_main = is_main
@@ -257,15 +259,18 @@ class CheckpointManager:
             return
         state = to_host(state_fn())
         if self.async_save:
-            log.info("writing checkpoint %s in the background", self.run_dir / step_dir_name(step))
             self._thread = threading.Thread(target=self._write_and_prune, args=(step, state, meta), name="ckpt-writer", daemon=False)
             self._thread.start()
+            # Logged once the writer runs, so "in flight" is true for anyone who reacts to this line.
+            log.info("writing checkpoint %s in the background", self.run_dir / step_dir_name(step))
         else:
             self._write_and_prune(step, state, meta)
             self._raise_pending()
 
     def _write_and_prune(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         try:
+            if self.write_delay_s:
+                time.sleep(self.write_delay_s)
             path = _write_checkpoint(self.run_dir, step, state, meta)
             self.last_saved_step = step
             log.info("saved checkpoint %s", path)

@@ -241,6 +241,8 @@ class CkptConfig(BaseModel):
     """Allow resuming with a different world size (data position is mapped by samples seen)."""
     allow_config_change: bool = False
     """Allow resuming when training-relevant settings differ from the checkpoint's config."""
+    debug_write_delay_s: float = Field(0.0, ge=0)
+    """Testing aid: the checkpoint writer sleeps this long before writing (to land signals during a save)."""
 
 
 class LogConfig(BaseModel):

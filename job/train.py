@@ -136,7 +136,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
 
     # --- checkpoint: resume ---
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and device.type == "cuda")
-    manager = ckpt.CheckpointManager(run_dir, cfg.ckpt.keep_last, async_save, env.is_main)
+    manager = ckpt.CheckpointManager(run_dir, cfg.ckpt.keep_last, async_save, env.is_main, cfg.ckpt.debug_write_delay_s)
     manager.clean_stale_tmp()
     stop.busy = manager.in_flight
     state = TrainState()

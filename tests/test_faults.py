@@ -185,7 +185,9 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     assert sorted(int(p.name[5:]) for p in run_dir.glob("step-???????")) == [stop1]
 
     # 2. Async saving on; SIGTERM while the background write of step 4 is in flight.
-    a2 = Job(tmp_path, [], [*chain, "--ckpt.every", "4", "--ckpt.async-save", "on"])
+    # The writer waits 5 s before writing, so the signal lands while the write is in flight however fast
+    # the (tiny) state is written.
+    a2 = Job(tmp_path, [], [*chain, "--ckpt.every", "4", "--ckpt.async-save", "on", "--ckpt.debug-write-delay-s", "5"])
     jobs.append(a2)
     a2.wait_for(rf"resumed from .*step-{stop1:07d}")
     a2.wait_for(r"writing checkpoint .*step-0000004 in the background")
