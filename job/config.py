@@ -97,6 +97,8 @@ class DataConfig(BaseModel):
     """Batches each worker prepares ahead."""
     pin_memory: bool = True
     """Page-locked host batches for asynchronous copies (CUDA only)."""
+    loader_timeout_s: float = Field(600.0, ge=0)
+    """Fail (instead of hanging) when DataLoader workers deliver no batch for this long; 0 waits forever."""
     device_prefetch: bool = True
     """Copy the next batch to the GPU on a side CUDA stream while this one computes (no-op on CPU)."""
 

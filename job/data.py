@@ -200,6 +200,11 @@ class CleanErrors:
             yield from self.loader
         except BadInput as e:
             raise BadInput(_worker_message(str(e))) from None
+        except RuntimeError as e:
+            if "DataLoader timed out" not in str(e):
+                raise
+            raise RuntimeError(f"{e}: the DataLoader workers delivered no batch within data.loader_timeout_s="
+                               f"{self.loader.timeout}. Fix: check the data path's storage, or raise the setting.") from None
 
 
 class TensorBatches:
@@ -305,7 +310,8 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
     if cfg.num_workers > 0:
         # Workers ignore stop signals: torchrun signals each rank's whole process group, and a worker
         # killed by SIGTERM makes the DataLoader raise in the trainer before it can save (job.preempt).
-        kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor, worker_init_fn=ignore_stop_signals)
+        kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor, worker_init_fn=ignore_stop_signals,
+                  timeout=cfg.loader_timeout_s)
     train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
     train = WorkerTrackingLoader(train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
                        generator=torch.Generator().manual_seed(seed), **kw)

@@ -18,7 +18,7 @@ log = logging.getLogger("job")
 # where things live, how processes are launched, logging, checkpoint cadence, the training horizon.
 MAY_CHANGE = (
     "run.name", "run.output_dir", "dist.", "data.path", "data.num_workers", "data.prefetch_factor",
-    "data.pin_memory", "train.steps", "train.eval_every", "train.stop_signals", "train.max_nonfinite_skips",
+    "data.pin_memory", "data.loader_timeout_s", "train.steps", "train.eval_every", "train.stop_signals", "train.max_nonfinite_skips",
     "train.inject_nan_at_steps", "ckpt.", "log.", "doctor.", "observe.",
     "data.device_prefetch", "ddp.comm_stats",  # copy overlap / a counting hook: same math
 )
