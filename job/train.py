@@ -233,6 +233,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         state.step += 1
+        stop.where = f"the bookkeeping after step {state.step}"
         ema.update(raw_model, state.step) if ema is not None else None
         state.samples_seen += plan.global_batch_size
         timer.end_step()
