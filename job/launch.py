@@ -1,8 +1,10 @@
 """``ddp-job launch``: torchrun with the job as its only target, and the job's exit codes.
 
-``ddp-job launch [torchrun options] [--] [train args]`` is ``torchrun [options] -m job train [train args]``
+``ddp-job launch [torchrun options] [--] [train|doctor] [args]`` is ``torchrun [options] -m job train [args]``
 run in this process (torch's own option parser, so every torchrun option and every ``PET_*`` variable a
-PyTorchJob pod carries work the same), except for the exit status. Plain torchrun exits 1 whatever its
+PyTorchJob pod carries work the same), except for the exit status. The first word after the torchrun
+options may choose the worker command: ``train`` (the default) or ``doctor`` (the preflight checks under
+the very same launcher, with its exit code kept: 0, 1 or 2). Plain torchrun exits 1 whatever its
 workers returned; a launcher (Slurm requeue, Kubernetes ``restartPolicy: ExitCode``) needs to know
 "preempted after saving: restart me" (143) from "bad input: do not retry" (2). See ``map_exit_codes``.
 
@@ -24,7 +26,8 @@ from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED,
 log = logging.getLogger("job.launch")
 
 TARGET_MODULE = "job"
-TARGET_COMMAND = "train"
+TARGET_COMMAND = "train"  # the default worker command
+TARGET_COMMANDS = ("train", "doctor")  # what the first word after the torchrun options may choose
 
 # Elastic restarts (--max-restarts > 0) with the c10d rendezvous break when the agents' rendezvous
 # TCPStore is shared with the workers (torch's default since 2.5): the store outlives a restart, so the
@@ -35,7 +38,7 @@ TARGET_COMMAND = "train"
 # tests/test_launch.py's docstring. With sharing disabled, rank 0 of each round starts a fresh store.
 AGENT_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-# Options that choose the worker command: the command is always ``python -m job train``.
+# Options that choose another program: the command is always ``python -m job train|doctor``.
 _TARGET_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
 
 
@@ -67,11 +70,12 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = get_args_parser()
     parser.prog = "ddp-job launch"
-    parser.usage = "ddp-job launch [torchrun options] [--] [train args]"
+    parser.usage = "ddp-job launch [torchrun options] [--] [train|doctor] [args]"
     parser.description = (
-        "torchrun [options] -m job train [train args], exiting with the job's codes: 143 if any worker "
-        "was preempted after saving, else 2 if any had bad input, else 124 on a collective timeout, else "
-        "the first failure's code. torchrun options also come from PET_* variables."
+        "torchrun [options] -m job train [args] (or -m job doctor [args] when the first word after the "
+        "options is `doctor`), exiting with the job's codes: 143 if any worker was preempted after saving, "
+        "else 2 if any had bad input, else 124 on a collective timeout, else the first failure's code. "
+        "torchrun options also come from PET_* variables."
     )
     return parser
 
@@ -97,21 +101,32 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[li
     return argv[:i], argv[i:]
 
 
+def split_command(job_args: Sequence[str]) -> tuple[str, list[str]]:
+    """(worker command, its args): a leading ``train`` or ``doctor`` chooses the command, else ``train``.
+    Unambiguous: train's own arguments are options (``--config``, ``--section.field``), never bare words."""
+    job_args = list(job_args)
+    if job_args and job_args[0] in TARGET_COMMANDS:
+        return job_args[0], job_args[1:]
+    return TARGET_COMMAND, job_args
+
+
 def build_torchrun_args(argv: Sequence[str], module: str = TARGET_MODULE) -> argparse.Namespace:
     """Parse ``ddp-job launch`` arguments into torchrun's namespace with the worker command forced."""
     parser = _parser()
-    options, train_args = split_argv(argv, parser)
+    options, job_args = split_argv(argv, parser)
     chosen = sorted({o.split("=", 1)[0] for o in options} & _TARGET_OPTIONS)
     if chosen:
         raise BadInput(
-            f"ddp-job launch {' '.join(chosen)}: the worker command is always `python -m {module} {TARGET_COMMAND}`. "
+            f"ddp-job launch {' '.join(chosen)}: the worker command is always `python -m {module} {TARGET_COMMAND}` "
+            f"(or `doctor`: `ddp-job launch [options] -- doctor [args]`). "
             "Fix: drop the option (use plain torchrun to run another program)."
         )
-    args = parser.parse_args([*options, "--module", module, TARGET_COMMAND, *train_args])
+    command, rest = split_command(job_args)
+    args = parser.parse_args([*options, "--module", module, command, *rest])
     # PET_NO_PYTHON / PET_RUN_PATH in the environment would change the command behind our back.
     if args.no_python or args.run_path:
         raise BadInput(
-            "PET_NO_PYTHON or PET_RUN_PATH is set: ddp-job launch always runs `python -m job train`. "
+            "PET_NO_PYTHON or PET_RUN_PATH is set: ddp-job launch always runs `python -m job train` (or doctor). "
             "Fix: unset PET_NO_PYTHON and PET_RUN_PATH."
         )
     return args

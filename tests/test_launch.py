@@ -57,6 +57,23 @@ def test_worker_command_is_job_train(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.nproc_per_node, args.max_restarts, args.no_python, args.run_path) == ("2", 1, False, False)
 
 
+@pytest.mark.parametrize(
+    ("argv", "script_args"),
+    [
+        (["--nproc-per-node", "2", "--", "doctor", "--run.name", "x"], ["doctor", "--run.name", "x"]),
+        (["--nproc-per-node", "2", "doctor", "--run.name", "x"], ["doctor", "--run.name", "x"]),  # without --
+        (["--nproc-per-node", "2", "--", "train", "--run.name", "x"], ["train", "--run.name", "x"]),  # explicit train
+        (["--nproc-per-node", "2", "--", "--run.name", "doctor"], ["train", "--run.name", "doctor"]),  # a value, not the command
+        (["--nproc-per-node", "2"], ["train"]),
+    ],
+)
+def test_first_word_chooses_the_worker_command(monkeypatch: pytest.MonkeyPatch, argv: list[str], script_args: list[str]) -> None:
+    for name in [k for k in os.environ if k.startswith("PET_")]:
+        monkeypatch.delenv(name)
+    args = build_torchrun_args(argv)
+    assert (args.module, args.training_script, args.training_script_args) == (True, "job", script_args)
+
+
 def test_pet_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     """A PyTorchJob pod's PET_* become torchrun's defaults, explicit options still win."""
     monkeypatch.setenv("PET_NNODES", "3")
