@@ -13,13 +13,12 @@ AND its manifest verifies, so a crash, a full disk or a second signal mid-save l
 directory that is ignored and cleaned up later. "Latest" is found by scanning, never by a pointer file.
 Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code.
 
-Async saving: ``save()`` copies state to host memory on the caller's thread (the only blocking part),
-then a background thread serialises and writes. At most one save is in flight; ``wait()`` joins it.
+Async saving: ``save()`` copies state into reused host buffers on the caller's thread (the only blocking
+part; job.snapshot), then a background thread serialises and writes. At most one save is in flight; ``wait()`` joins it.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from job.snapshot import HostStaging, to_host
 
 log = logging.getLogger("job")
 
@@ -79,17 +80,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def to_host(obj: Any) -> Any:
-    """Deep copy with every tensor moved to (unshared) CPU memory, so training can mutate the originals."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_host(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def verify(path: Path) -> tuple[bool, str, dict[str, Any]]:
@@ -241,6 +231,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_saved_step: int | None = None
+        self._staging = HostStaging() if async_save and is_main else None
 
     def clean_stale_tmp(self) -> None:
         """Remove torn saves left by a crash (never valid, never loaded)."""
@@ -257,7 +248,8 @@ class CheckpointManager:
         self.wait()  # at most one save in flight; also surfaces a background failure
         if not self.is_main:
             return
-        state = to_host(state_fn())
+        # Async: into buffers kept between saves (safe: the previous write was waited for above).
+        state = self._staging.snapshot(state_fn()) if self._staging is not None else to_host(state_fn())
         if self.async_save:
             self._thread = threading.Thread(target=self._write_and_prune, args=(step, state, meta), name="ckpt-writer", daemon=False)
             self._thread.start()

@@ -8,11 +8,11 @@
 # image. Run it after changing pyproject.toml or upgrading the venv, and commit the result.
 #
 # Usage: scripts/lock.sh [--check]      --check: exit 1 if constraints.txt is out of date
-# Env:   VENV [.venv]  EXTRAS [dev]  (extras whose closure is pinned too, comma-separated)
+# Env:   VENV [.venv]  EXTRAS [dev,bench]  (extras whose closure is pinned too, comma-separated)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${VENV:-$root/.venv}
-extras=${EXTRAS:-dev}
+extras=${EXTRAS:-dev,bench}
 out=$root/constraints.txt
 [ -x "$venv/bin/python" ] || { echo "lock.sh: VENV=$venv has no bin/python; create the venv first or set VENV" >&2; exit 2; }
 

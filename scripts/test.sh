@@ -15,7 +15,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     [ -f "$infra" ] && bash "$infra" install
   done
 fi
-scripts/setup.sh dev
+scripts/setup.sh dev,bench  # bench: Lightning, the reference of the overhead benchmark
 # Three workers, one test file each: the Slurm, podman and netns files mostly wait on services and
 # subprocesses, so they overlap well with the CPU-bound torchrun tests (22 min instead of ~55 serially).
 exec .venv/bin/python -m pytest -n 3 --dist loadfile "$@"

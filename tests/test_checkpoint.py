@@ -236,14 +236,43 @@ def test_async_save_copies_state_first_and_waits(tmp_path: Path) -> None:
     """The background write sees the state as it was at save(); training may change it right after."""
     live = state(7, mib=8)
     expected = state(7, mib=8)
-    m = ckpt.CheckpointManager(tmp_path, 3, async_save=True, is_main=True)
+    # The writer waits 0.5 s: the second save is requested while the first write is in flight, and the
+    # host buffers it would reuse are still being read.
+    m = ckpt.CheckpointManager(tmp_path, 3, async_save=True, is_main=True, write_delay_s=0.5)
     m.save(1, lambda: live, {"world_size": 1})
+    assert m.in_flight()
     live["model"]["w"].add_(1.0)  # the training thread goes on mutating parameters in place
     m.save(2, lambda: live, {"world_size": 1})  # waits for save 1: at most one in flight
+    live["model"]["w"].add_(1.0)
+    m.save(3, lambda: live, {"world_size": 1})
     m.wait()
     assert not m.in_flight()
     assert_same(ckpt.load_state(ckpt.Found(1, tmp_path / "step-0000001", {})), expected)
+    expected["model"]["w"].add_(1.0)
+    assert_same(ckpt.load_state(ckpt.Found(2, tmp_path / "step-0000002", {})), expected)
     assert torch.equal(ckpt.load_state(ckpt.find_latest(tmp_path))["model"]["w"], live["model"]["w"])
+
+
+def test_host_staging_reuses_buffers_and_keeps_the_structure() -> None:
+    from job.snapshot import HostStaging
+
+    live = {"w": torch.randn(64, 3).t(), "pair": (torch.arange(5), 3), "n": [1.5]}  # .t(): non-contiguous
+    staging = HostStaging()
+    first = staging.snapshot(live)
+    ptrs = [first["w"].data_ptr(), first["pair"][0].data_ptr()]
+    assert isinstance(first["pair"], tuple) and first["pair"][1] == 3 and first["n"] == [1.5]
+    assert first["w"].stride() == live["w"].stride() and torch.equal(first["w"], live["w"])
+    assert first["w"].data_ptr() != live["w"].data_ptr()
+    live["w"].mul_(2)
+    assert not torch.equal(first["w"], live["w"])  # a copy, not a view of the live tensor
+    second = staging.snapshot(live)
+    assert [second["w"].data_ptr(), second["pair"][0].data_ptr()] == ptrs  # no new allocation
+    assert torch.equal(second["w"], live["w"])
+    live["pair"] = (torch.arange(6), 3)  # shape changed: that buffer alone is reallocated
+    third = staging.snapshot(live)
+    assert third["w"].data_ptr() == ptrs[0] and third["pair"][0].data_ptr() != ptrs[1]
+    assert torch.equal(third["pair"][0], torch.arange(6))
+    assert staging.nbytes == 64 * 3 * 4 + 6 * 8
 
 
 # --- disk full -----------------------------------------------------------------------------------------

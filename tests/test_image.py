@@ -163,15 +163,18 @@ def test_help_and_labels(penv: dict[str, str], image: str) -> None:
 
 def test_image_holds_this_checkout_of_the_package(penv: dict[str, str], image: str) -> None:
     """Guards against a stale layer cache (buildah reuses RUN --mount=from=stage layers, containers/buildah#4522):
-    the installed job/*.py must be the working tree's."""
+    the installed job/*.py and benchmarks/*.py (`ddp-job bench` in the image) must be the working tree's."""
     import hashlib
 
-    code = ("import hashlib, pathlib, job; d = pathlib.Path(job.__file__).parent; "
-            "print('\\n'.join(f'{p.name} {hashlib.sha256(p.read_bytes()).hexdigest()}' for p in sorted(d.glob('*.py'))))")
+    code = ("import hashlib, pathlib, job, benchmarks\n"
+            "for m in (job, benchmarks):\n"
+            "    d = pathlib.Path(m.__file__).parent\n"
+            "    for p in sorted(d.glob('*.py')): print(f'{d.name}/{p.name} {hashlib.sha256(p.read_bytes()).hexdigest()}')")
     p = run(penv, "--entrypoint", "/opt/venv/bin/python", image, "-c", code)
     assert p.returncode == 0, p.stderr
     inside = dict(line.split() for line in p.stdout.splitlines())
-    here = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted((ROOT / "job").glob("*.py"))}
+    here = {f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
+            for pkg in ("job", "benchmarks") for f in sorted((ROOT / pkg).glob("*.py"))}
     assert inside == here, sorted(k for k in here.keys() | inside.keys() if here.get(k) != inside.get(k))
 
 
