@@ -1,0 +1,36 @@
+"""``ddp-job train`` with one per-step extra switched off (ABLATE env var), for benchmarks/profile_overhead.py.
+
+ABLATE is a comma-separated subset of:
+  stopflag   the per-step all-reduce of the stop flag (job.distributed.all_reduce_max_flag): local flag only
+  clip       the per-step gradient norm (clip_grad_norm_ with max_norm=inf): returns 0 without computing
+  observer   the per-step observer work (progress file writes, per-rank stats gather every N steps)
+Profiling only: an ablated run is not safe to preempt (stopflag) or to clip (clip).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def main() -> int:
+    off = {x for x in os.environ.get("ABLATE", "").split(",") if x}
+    unknown = off - {"stopflag", "clip", "observer"}
+    if unknown:
+        raise SystemExit(f"ABLATE: unknown {sorted(unknown)}; choose from stopflag, clip, observer")
+    from job import cli, distributed, observe
+
+    if "stopflag" in off:
+        distributed.all_reduce_max_flag = lambda flag, rt: flag  # type: ignore[assignment]
+    if "clip" in off:
+        torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **kw: torch.zeros(())  # type: ignore[assignment]
+    if "observer" in off:
+        observe.Observer.step_done = lambda self, step, timer: None  # type: ignore[method-assign]
+        observe.Observer._grads_ready = lambda self, p: None  # type: ignore[method-assign]
+    return cli.main(["train", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
