@@ -2,7 +2,7 @@
 for real -- an unresolvable rendezvous name (in a network namespace with no route out, so no DNS query
 leaves the machine), a port nothing listens on, a read-only run directory and a 1 MiB /dev/shm (private
 mount namespaces via ``unshare -m``), a launcher layout that does not add up, and two ranks given
-different overrides.
+different overrides; and ``ddp-job launch -- doctor`` returning the doctor's exit code (2), not torchrun's 1.
 
 The failing cases are independent processes, so one module fixture starts them all at once and the
 tests read their results: on 2 cores that halves the wall time of ~8 `import torch`.
@@ -70,12 +70,19 @@ def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, 
     train = [bin_path("ddp-job"), "train", "--data.path", str(data), *ARGS, "--train.steps", "2"]
     add("train-shm", [unshare, "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" \"$@\"", *train], {},
         args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"])
+    # ddp-job launch -- doctor: torchrun's agent in-process; the workers' doctor exit code comes out unchanged
+    launch = [bin_path("ddp-job"), "launch", "--standalone", "--nproc-per-node", "2", "--", "doctor", "--data.path", str(data),
+              *ARGS, "--doctor.comm-sizes-kb", "4"]
+    add("launch", launch, {}, args=[*no_workers, "--data.num-classes", "5"])
+    # Two-rank cases: rank 1 must wait for rank 0's store however slowly rank 0 starts (ARGS' 2 s is for the
+    # dns/port cases; under load rank 1 gave up after 2 s and rank 0 then waited in init_process_group).
+    wait = ["--doctor.rendezvous-timeout-s", "300"]
     port = free_port()
     for rank in (0, 1):  # claims 2 nodes x 2 processes = 4, but WORLD_SIZE=2
-        add("layout", [*doctor, *no_workers], contract(rank, 2, port, GROUP_WORLD_SIZE="2", GROUP_RANK="0"))
+        add("layout", [*doctor, *no_workers], contract(rank, 2, port, GROUP_WORLD_SIZE="2", GROUP_RANK="0"), args=wait)
     port = free_port()
     for rank in (0, 1):
-        add("config", [*doctor, *no_workers], contract(rank, 2, port), run_name="config", args=["--train.steps", str(5 + rank)])
+        add("config", [*doctor, *no_workers], contract(rank, 2, port), run_name="config", args=[*wait, "--train.steps", str(5 + rank)])
     procs = {name: [(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), rd)
                     for cmd, env, rd in items] for name, items in cases.items()}
     results = {}
@@ -156,6 +163,16 @@ def test_train_runs_the_quick_checks_first(failures: dict) -> None:
     assert r["rc"] == 2, r["out"]
     assert "preflight checks failed" in r["out"] and "FAIL shm" in r["out"], r["out"]
     assert not r["run_dir"].exists()  # exit 2: nothing written
+
+
+def test_launch_keeps_the_doctor_exit_code(failures: dict) -> None:
+    """`ddp-job launch ... -- doctor`: a FAIL that is bad input exits 2 from launch, as from `ddp-job doctor`
+    (plain torchrun would exit 1)."""
+    (r,) = failures["launch"]
+    lines = fail_lines(r["out"], "storage.data")
+    assert r["rc"] == 2, r["out"]
+    assert lines and "data.num_classes" in lines[0] and "[rank 0]" in lines[0], r["out"]
+    assert "ddp-job launch: workers failed" in r["out"] and "exit code 2" in r["out"], r["out"]
 
 
 def test_world_size_inconsistent_with_launcher_variables(failures: dict) -> None:
