@@ -420,3 +420,34 @@ def test_process_exits_although_workers_ignore_sigterm_and_loaders_live_on(tmp_p
                           timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 2, done.stderr
     assert f"cannot read image file {bad}" in done.stdout
+
+
+LONG_TMPDIR_SCRIPT = """
+import sys, tempfile, torch
+from pathlib import Path
+from job.config import DataConfig
+from job.data import build_loaders
+cfg = DataConfig(path=Path(sys.argv[1]), num_classes=2, image_size=16, num_workers=2, loader_timeout_s=60)
+loaders = build_loaders(cfg, 0, 1, 2, 0, torch.device("cpu"))
+train = sum(images.shape[0] for images, _ in loaders.train)
+val = sum(images.shape[0] for images, _ in loaders.val)
+print("tmpdir", len(tempfile.gettempdir()), "train", train, "val", val, flush=True)
+"""
+
+
+def test_workers_deliver_batches_when_tmpdir_is_too_long_for_unix_sockets(tmp_path):
+    # A worker sends each batch's shared-memory fds through a Unix socket under $TMPDIR/pymp-*/listener-*; past
+    # 107 characters bind() fails in the worker's feeder thread, the batch is dropped and the trainer waited
+    # forever (the bench data hang inside the pytest-xdist suite, TMPDIR of 76 characters).
+    root = tmp_path / "d"
+    make_dataset(root, classes=2, per_class=4, size=16, val_per_class=1)
+    long_tmp = tmp_path / ("t" * max(1, 90 - len(str(tmp_path)) - 1))
+    long_tmp.mkdir()
+    assert len(str(long_tmp)) + len("/pymp-12345678/listener-12345678") > 107
+    env = {**os.environ, "TMPDIR": str(long_tmp), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", LONG_TMPDIR_SCRIPT, str(root)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"tmpdir {len(str(long_tmp))} train 8 val 2" in done.stdout
+    assert "AF_UNIX path too long" not in done.stderr
+    assert not list(long_tmp.glob("pymp-*")), "the workers' sockets were made under the long TMPDIR"
