@@ -61,6 +61,9 @@ SCENARIOS: dict[str, tuple[dict[str, str], list[str]]] = {
     "bad-container": ({"DDP_JOB_CONTAINER": "docker"}, []),
     "bad-nproc": ({"DDP_JOB_NPROC_PER_NODE": "two"}, []),
     "pyxis-without-image": ({"DDP_JOB_CONTAINER": "pyxis"}, []),
+    "doctor": ({"DDP_JOB_COMMAND": "doctor", "DDP_JOB_NPROC_PER_NODE": "2"}, ["--config", "configs/x.yaml"]),
+    "doctor-no-requeue": ({"DDP_JOB_COMMAND": "doctor", "STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, []),
+    "bad-command": ({"DDP_JOB_COMMAND": "eval"}, []),
 }
 
 
@@ -127,6 +130,11 @@ def test_golden_semantics(tmp_path: Path) -> None:
     assert "exit 0" in requeued
     at_cap = _render(tmp_path, "z", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3"}, [])
     assert "scontrol requeue" not in at_cap and "exit 143" in at_cap
+    assert "ddp-job launch --nnodes=2" in out and " -- train --run.output-dir " in out  # train unless asked otherwise
+    doctor = _render(tmp_path, "d", {"DDP_JOB_COMMAND": "doctor"}, ["--doctor.comm-iters", "3"])
+    assert " -- doctor --run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --doctor.comm-iters 3" in doctor
+    bad = _render(tmp_path, "b", {"DDP_JOB_COMMAND": "eval"}, [])
+    assert "exit 2" in bad and "DDP_JOB_COMMAND=eval" in bad and "srun" not in bad
 
 
 def _shellcheck() -> str:
