@@ -8,6 +8,7 @@ Timings are printed as ``TIMING ...`` lines (run with -s to see them).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -263,6 +264,7 @@ def test_two_node_job_completes(sbatch_jobs: dict[str, tuple[SbatchJob, Future]]
     ranks = set(re.findall(r"rank (\d)/4 local (\d)/2 node (\d)/2", log))
     assert ranks == {("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")}, ranks
     assert f"FINAL step={STEPS}" in log
+    assert "doctor: 0 FAIL" in log  # train's quick preflight phase ran on the 4 ranks first
     assert steps_saved(job.run_dir)[-1] == STEPS
     events = list((job.run_dir / "tb").rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard events"
@@ -310,6 +312,34 @@ def test_time_limit_signal_requeues_and_resumes(sbatch_jobs: dict[str, tuple[Sba
     assert resumed and 2 <= int(resumed.group(1)) < STEPS, "attempt 1 did not resume mid-run"
     timing("time limit shortened to Slurm's signal", job.events["signal"] - job.events["limit_shortened"])
     assert_same_params(job.run_dir, ref.run_dir)
+
+
+def test_doctor_through_the_sbatch_script(slurm_env: dict[str, str], shapes: Path, tmp_path: Path) -> None:
+    """DDP_JOB_COMMAND=doctor: the same script, srun, ddp-job launch and c10d rendezvous as training run the
+    full preflight checks on both nodes; the job's exit code is the doctor's."""
+    args = [*train_args(shapes), "--doctor.comm-sizes-kb", "4,256", "--doctor.comm-iters", "3"]
+    job = sbatch(dict(slurm_env, DDP_JOB_COMMAND="doctor"), tmp_path, args)
+    info = job.wait_done(300)
+    log = job.log
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-6000:]
+    assert "attempt 0: doctor on 2 node(s) x 2 process(es)" in log and "job step exited with 0" in log, log[-6000:]
+    assert "FAIL " not in log and re.search(r"doctor: 0 FAIL, \d+ WARN, \d+ PASS", log), log[-6000:]
+    for line in (r"PASS topology\.launcher\s+launcher=torchrun: world size 4 = 2 node\(s\) x 2 process\(es\) per node",
+                 r"PASS topology\.layout\s+4 ranks unique, 2 node\(s\) x 2 as declared",
+                 r"PASS rendezvous\s+MASTER_ADDR=\S+ MASTER_PORT=\d+ resolves to ", r"PASS communication\.allreduce\s+all-reduce on gloo across 4 rank",
+                 r"PASS communication\.bandwidth\s+peak busbw"):
+        assert re.search(line, log), (line, log[-6000:])
+    report = json.loads((job.run_dir / "doctor.json").read_text())
+    assert report["world_size"] == 4 and report["launcher"] == "torchrun"
+    assert sorted(r["rank"] for r in report["ranks"]) == [0, 1, 2, 3]
+    assert sorted(r["env"]["node_rank"] for r in report["ranks"]) == [0, 0, 1, 1]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["rendezvous"]["status"] == "PASS" and checks["rendezvous"]["ranks"] == [0, 1, 2, 3]
+    rows = checks["communication.bandwidth"]["data"]["rows"]
+    assert [r["size_bytes"] for r in rows] == [4096, 262144] and all(r["busbw_GBps"] > 0 for r in rows)
+    timing("2-node doctor job (2 x 2 processes), sbatch to completion", job.events["done"] - job.submitted)
+    print(f"doctor on Slurm: checks {report['wall_s']:.1f} s, rank 0 total {report['wall_s_total']:.1f} s; gloo busbw "
+          + ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw_GBps']:.3f} GB/s" for r in rows), flush=True)
 
 
 # ------------------------------------------------------------------ submitit
