@@ -14,7 +14,7 @@ USAGE = """usage: ddp-job COMMAND [ARGS]
 
 commands:
   train        train (as a torchrun worker, a single process, or launching one process per GPU itself)
-  launch       torchrun drop-in: ddp-job launch [torchrun options] -- [train args]; maps worker exit codes
+  launch       torchrun drop-in: ddp-job launch [torchrun options] -- [train|doctor] [args]; maps worker exit codes
   make-data    write a learnable ImageFolder dataset: ddp-job make-data --out DIR --classes 10 --per-class 100
   config show  print the resolved config as YAML: ddp-job config show [--config PATH] [--section.field VALUE]
   submit       submit to Slurm with submitit: ddp-job submit --help
@@ -27,6 +27,8 @@ Exit codes: 0 ok, 1 failure, 2 bad input, 124 collective timeout, 143 preempted 
 
 
 def _is_timeout(err: BaseException) -> bool:
+    if type(err).__name__ == "DataStall":  # the input pipeline stalled: a failure (1), not a collective timeout
+        return False
     text = f"{type(err).__name__} {err}".lower()
     return "timed out" in text or "timeout" in text and "distributed" in text or type(err).__name__ == "DistBackendError" and "timeout" in text
 
@@ -126,6 +128,9 @@ def entrypoint() -> None:
     job owns is closed and flushed explicitly by then; ``os._exit`` skips only the generic teardown.
     """
     code = main()
+    data = sys.modules.get("job.data")
+    if data is not None:  # os._exit skips atexit: a worker blocked in I/O would outlive the job and hold its stdout
+        data.kill_workers()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

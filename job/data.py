@@ -191,6 +191,10 @@ def _worker_message(msg: str) -> str:
     return msg
 
 
+class DataStall(RuntimeError):
+    """The DataLoader workers delivered nothing within data.loader_timeout_s (exit 1, not a collective timeout)."""
+
+
 class CleanErrors:
     """Wraps a DataLoader so that a worker's BadInput reaches the caller as the plain message."""
 
@@ -208,8 +212,9 @@ class CleanErrors:
         except RuntimeError as e:
             if "DataLoader timed out" not in str(e):
                 raise
-            raise RuntimeError(f"{e}: the DataLoader workers delivered no batch within data.loader_timeout_s="
-                               f"{self.loader.timeout}. Fix: check the data path's storage, or raise the setting.") from None
+            raise DataStall(f"{e}: the DataLoader workers delivered no batch within data.loader_timeout_s="
+                            f"{self.loader.timeout}. Fix: look for a worker traceback above, check the data path's "
+                            "storage, or raise the setting.") from None
 
 
 class TensorBatches:
@@ -263,18 +268,18 @@ _WORKERS: "weakref.WeakSet[multiprocessing.process.BaseProcess]" = weakref.WeakS
 
 
 class WorkerTrackingLoader(DataLoader):
-    """A DataLoader that records its worker processes, so that `_kill_workers_at_exit` finds them."""
+    """A DataLoader that records its worker processes, so that `kill_workers` finds them."""
 
     def _get_iterator(self):  # type: ignore[no-untyped-def]
         it = super()._get_iterator()
         if not _WORKERS:
-            atexit.unregister(_kill_workers_at_exit)
-            atexit.register(_kill_workers_at_exit)  # after multiprocessing's hook, so it runs before it
+            atexit.unregister(kill_workers)
+            atexit.register(kill_workers)  # after multiprocessing's hook, so it runs before it
         _WORKERS.update(getattr(it, "_workers", []))
         return it
 
 
-def _kill_workers_at_exit() -> None:
+def kill_workers() -> None:
     """SIGKILL the DataLoader workers still alive when the interpreter exits.
 
     The workers ignore SIGTERM (job.preempt.ignore_stop_signals). multiprocessing's own exit hook

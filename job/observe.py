@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from job.config import JobConfig
+from job.data import DataStall
 from job.env import DistEnv
 
 log = logging.getLogger("job")
@@ -264,8 +265,8 @@ def explain_timeouts(cfg: JobConfig, env: DistEnv) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if not _looks_like_timeout(e) or isinstance(e, CollectiveTimeout):
-            raise
+        if not _looks_like_timeout(e) or isinstance(e, (CollectiveTimeout, DataStall)):
+            raise  # a DataLoader stall is this rank's input pipeline, not the network: its own message says so
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         hint = (" NCCL flight recorder dumps (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE) "
                 "show the last collectives per rank; see docs/doctor.md.")

@@ -413,3 +413,43 @@ def test_launch_forwards_usr1_and_usr2_unless_the_user_chose_the_signals() -> No
     default = build_torchrun_args(["--nproc-per-node", "2", "--", "--train.steps", "1"]).signals_to_handle
     assert with_stop_signals(default).split(",") == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"]
     assert with_stop_signals("SIGTERM,SIGUSR2") == "SIGTERM,SIGUSR2"
+
+
+# --- a DataLoader worker that never delivers ----------------------------------------------------------------
+
+def test_stalled_data_worker_ends_in_an_error_naming_the_setting(tmp_path: Path) -> None:
+    """After step 1 every training image becomes a FIFO nobody writes: the worker's next open() blocks forever,
+    as on a hung network mount. Once the prefetched batches are used up the run must end with exit 1 and an
+    error naming data.loader_timeout_s: no hang, no blaming the network, the worker not left behind."""
+    from conftest import make_data
+
+    data = make_data(tmp_path / "data", classes=4, per_class=16, size=16)  # 8 steps per epoch at batch 8
+    out = tmp_path / "runs"
+    cmd = [bin_path("ddp-job"), "train", "--run.output-dir", str(out), "--run.name", "stall", "--data.path", str(data),
+           "--data.num-classes", "4", "--data.image-size", "16", "--data.num-workers", "1", "--data.loader-timeout-s", "5",
+           "--model.name", "resnet18", "--train.steps", "40", "--train.global-batch-size", "8", "--log.every", "1",
+           "--log.tensorboard", "false", "--log.progress", "off", "--doctor.enabled", "false", "--ckpt.every", "0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "INFO step 1/40" in line:
+                break
+        workers = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()]
+        assert len(workers) == 1, workers  # the one training-loader worker (val workers start only at evaluation)
+        for image in (data / "train").rglob("*.png"):
+            image.unlink()
+            os.mkfifo(image)
+        t0 = time.monotonic()
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + rest
+    print(f"\nstalled data worker: exit {proc.returncode} {time.monotonic() - t0:.1f} s after the images became FIFOs")
+    assert proc.returncode == 1, text[-3000:]
+    assert "data.loader_timeout_s=5" in text and "Fix:" in text, text[-3000:]
+    assert "collective timed out" not in text, text[-3000:]
+    state = Path(f"/proc/{workers[0]}/stat").read_text().split()[2] if Path(f"/proc/{workers[0]}").exists() else "gone"
+    assert state in ("gone", "Z"), f"the stalled worker was left behind (state {state})"
