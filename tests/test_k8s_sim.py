@@ -7,6 +7,7 @@ Faults: kill -9 of a worker pod, SIGTERM to every pod (node drain), a worker pod
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -117,6 +118,8 @@ def test_two_pods_train_to_completion(tmp_path: Path) -> None:
         sim.start()
         master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
         _wait_for("running containers", lambda: master.pid1 is not None and worker.pid1 is not None)
+        # pid1 is known right after the shim's fork; its environment is the container's only after the exec
+        _wait_for("the worker's container command", lambda: b"ddp-job\x00launch" in Path(f"/proc/{worker.pid1}/cmdline").read_bytes(), 60)
         env = _environ(worker.pid1)
         assert {k: env.get(k) for k, _ in ks.operator_env(sim.job, "Worker", 0)} == dict(
             ks.operator_env(sim.job, "Worker", 0))
@@ -130,10 +133,59 @@ def test_two_pods_train_to_completion(tmp_path: Path) -> None:
         assert sim.wait(TIMEOUT) == "Succeeded"
     log_m, log_w = sim.log(master.name), sim.log(worker.name)
     assert "node 0/2 launcher=torchrun backend=gloo" in log_m and "rank 3/4 local 1/2 node 1/2" in log_w
+    assert "doctor: 0 FAIL" in log_m  # train's quick preflight phase passed across both pods first
     # The job succeeds when the Master does; cleanPodPolicy Running then stops a worker still in
     # torchrun's exit barrier, as the operator would.
     assert _final_step(log_m) == _steps(sim) and master.exit_codes == [0] and len(worker.exit_codes) == 1
     assert (_run_dir(sim) / f"step-{_steps(sim):07d}").is_dir() and (_run_dir(sim) / "tb").is_dir()
+
+
+def _with_subcommand(docs: list[dict], subcommand: str) -> list[dict]:
+    """The rendered manifests with the containers' `ddp-job launch -- ARGS` turned into `... -- SUBCOMMAND ARGS`."""
+    job = next(d for d in docs if d["kind"] == "PyTorchJob")
+    for rs in job["spec"]["pytorchReplicaSpecs"].values():
+        c = next(c for c in rs["template"]["spec"]["containers"] if c["name"] == "pytorch")
+        assert c["command"] == ["ddp-job", "launch"] and c["args"][0] == "--", c
+        c["args"] = ["--", subcommand, *c["args"][1:]]
+    return docs
+
+
+def test_doctor_in_both_pods(tmp_path: Path) -> None:
+    """cpu-smoke with only the subcommand changed (`ddp-job launch -- doctor --config ...`): the full
+    preflight checks pass in both pods, among them the rendezvous check against the master pod's DNS
+    name and the all-reduce across the pods; rank 0 writes the JSON report to the PVC."""
+    docs = _with_subcommand(kv.render(kv.K8S / "overlays" / "cpu-smoke"), "doctor")
+    t0 = time.monotonic()
+    with ks.Simulation(docs, tmp_path) as sim:
+        sim.start()
+        assert sim.wait(TIMEOUT) == "Succeeded"
+        wall = time.monotonic() - t0
+    master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
+    log_m, log_w = sim.log(master.name), sim.log(worker.name)
+    assert master.exit_codes == [0], log_m[-4000:]
+    # The worker's agent leaves torchrun's exit barrier with the master's; cleanPodPolicy Running may
+    # still stop it first (see test_two_pods_train_to_completion): a FAIL would have exited 1 or 2.
+    assert len(worker.exit_codes) == 1 and worker.exit_codes[0] in (0, 137), (worker.exit_codes, log_w[-4000:])
+    assert "FAIL " not in log_m + log_w and "doctor: 0 FAIL" in log_m, log_m[-4000:]
+    for line in (r"PASS topology\.launcher\s+launcher=torchrun: world size 4 = 2 node\(s\) x 2 process\(es\) per node",
+                 r"PASS topology\.layout\s+4 ranks unique, 2 node\(s\) x 2 as declared, hosts: ddp-smoke-master-0, ddp-smoke-worker-0",
+                 r"PASS rendezvous\s+MASTER_ADDR=ddp-smoke-master-0 MASTER_PORT=23456 resolves to 10\.232\.0\.\d+",
+                 r"PASS communication\.allreduce\s+all-reduce on gloo across 4 rank", r"PASS communication\.bandwidth\s+peak busbw"):
+        assert re.search(line, log_m), (line, log_m[-4000:])
+    run_dir = _run_dir(sim)
+    report = json.loads((run_dir / "doctor.json").read_text())
+    assert report["world_size"] == 4 and report["launcher"] == "torchrun" and report["backend"] == "gloo"
+    by_rank = {r["rank"]: r for r in report["ranks"]}
+    assert {r: by_rank[r]["host"] for r in by_rank} == {0: "ddp-smoke-master-0", 1: "ddp-smoke-master-0",
+                                                        2: "ddp-smoke-worker-0", 3: "ddp-smoke-worker-0"}
+    assert {by_rank[r]["env"]["master_addr"] for r in by_rank} == {"ddp-smoke-master-0"}
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["rendezvous"]["status"] == "PASS" and checks["rendezvous"]["ranks"] == [0, 1, 2, 3]
+    bw = checks["communication.bandwidth"]["data"]["rows"]
+    assert bw and all(r["busbw_GBps"] > 0 for r in bw)
+    assert not list(run_dir.glob("step-*")), "doctor must not train"
+    print(f"\ndoctor in 2 pods x 2 processes: {wall:.1f} s job wall (checks {report['wall_s']:.1f} s); gloo busbw "
+          + ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw_GBps']:.3f} GB/s" for r in bw))
 
 
 def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
