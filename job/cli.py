@@ -128,9 +128,9 @@ def entrypoint() -> None:
     job owns is closed and flushed explicitly by then; ``os._exit`` skips only the generic teardown.
     """
     code = main()
-    data = sys.modules.get("job.data")
-    if data is not None:  # os._exit skips atexit: a worker blocked in I/O would outlive the job and hold its stdout
-        data.kill_workers()
+    workers = sys.modules.get("job.workers")
+    if workers is not None:  # os._exit skips atexit: a worker blocked in I/O would outlive the job and hold its stdout
+        workers.kill_workers()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -17,16 +17,10 @@ padding, no duplicates, sizes differ by at most one); the trainer all-reduces su
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
-import multiprocessing
-import multiprocessing.util
 import os
-import shutil
-import signal
 import tempfile
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,8 +34,8 @@ from torchvision.transforms import v2
 from job.config import DataConfig
 from job.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
 from job.exitcodes import BadInput
-from job.preempt import ignore_stop_signals
 from job.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
+from job.workers import WorkerTrackingLoader, init_worker, socket_tempdir_too_long
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -264,91 +258,6 @@ class Loaders:
             epoch, start_batch = epoch + 1, 0
 
 
-_WORKERS: "weakref.WeakSet[multiprocessing.process.BaseProcess]" = weakref.WeakSet()
-
-
-class WorkerTrackingLoader(DataLoader):
-    """A DataLoader that records its worker processes, so that `kill_workers` finds them."""
-
-    def _get_iterator(self):  # type: ignore[no-untyped-def]
-        it = super()._get_iterator()
-        if not _WORKERS:
-            atexit.unregister(kill_workers)
-            atexit.register(kill_workers)  # after multiprocessing's hook, so it runs before it
-        _WORKERS.update(getattr(it, "_workers", []))
-        return it
-
-
-def kill_workers() -> None:
-    """SIGKILL the DataLoader workers still alive when the interpreter exits.
-
-    The workers ignore SIGTERM (job.preempt.ignore_stop_signals). multiprocessing's own exit hook
-    terminates daemonic children with SIGTERM and then joins them, so a loader or iterator still
-    referenced at exit (a traceback after a worker error, pytest's excinfo, a global) would hang the
-    process forever: the workers outlive SIGTERM and their parent is alive (observed). Workers only
-    read files: nothing is lost by SIGKILL.
-    """
-    workers = [w for w in list(_WORKERS) if w.is_alive()]
-    if not workers:
-        return
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's SIGCHLD check would raise "worker killed"
-    for w in workers:
-        w.kill()
-    for w in workers:
-        w.join(5)
-
-
-# Linux's sun_path holds 108 bytes with the NUL: bind() refuses a 108-character path (measured here).
-_SUN_PATH_MAX = 107
-_SOCKET_NAME = len("/listener-12345678")  # multiprocessing.connection.arbitrary_address, Python 3.11
-_TEMPDIR_NAME = len("/pymp-12345678")  # multiprocessing.util.get_temp_dir
-
-
-def _socket_tempdir_too_long() -> bool:
-    tempdir = multiprocessing.current_process()._config.get("tempdir")  # multiprocessing.util.get_temp_dir's
-    length = len(tempdir) if tempdir else len(tempfile.gettempdir()) + _TEMPDIR_NAME
-    return length + _SOCKET_NAME > _SUN_PATH_MAX
-
-
-def use_short_socket_tempdir() -> str | None:
-    """Move this process's multiprocessing temp dir under /tmp when TMPDIR is too long for Unix sockets.
-
-    A DataLoader worker hands each batch's shared memory to the trainer as file descriptors, through a
-    multiprocessing resource_sharer socket at ``$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``. When that path
-    exceeds 107 characters, bind() fails inside the worker's queue feeder thread, which only prints the
-    traceback and drops the batch: the trainer waits for it forever (or data.loader_timeout_s) while the
-    workers sit idle on their index queues. Observed with the 76-character TMPDIR of a pytest-xdist test.
-    Newer Pythons fall back to /tmp themselves; 3.11 does not. Returns the directory now used, or None.
-    """
-    if not _socket_tempdir_too_long():
-        return None
-    for base in ("/tmp", "/var/tmp", "/dev/shm"):
-        try:
-            short = tempfile.mkdtemp(prefix="pymp-", dir=base)
-        except OSError:
-            continue
-        # Removed when this process exits through multiprocessing (a worker's normal end, also after its
-        # trainer died: the workers' parent watchdog), like multiprocessing's own directory.
-        multiprocessing.util.Finalize(None, shutil.rmtree, args=(short,), kwargs={"ignore_errors": True},
-                                      exitpriority=-100)
-        multiprocessing.current_process()._config["tempdir"] = short
-        return short
-    limit = _SUN_PATH_MAX - _SOCKET_NAME - _TEMPDIR_NAME
-    raise BadInput(f"TMPDIR={tempfile.gettempdir()} is too long ({len(tempfile.gettempdir())} characters) for the "
-                   f"DataLoader workers' Unix sockets, and /tmp, /var/tmp and /dev/shm are not writable. Fix: set "
-                   f"TMPDIR to a writable directory of at most {limit} characters, or --data.num-workers 0.")
-
-
-def init_worker(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: ignore the stop signals (job.preempt), sockets that fit (above).
-
-    In the worker rather than the trainer: the directory is then removed when the worker ends, which
-    the trainer's exit (``os._exit``, job.cli.entrypoint) would skip.
-    """
-    ignore_stop_signals(worker_id)
-    use_short_socket_tempdir()
-
-
 def _check_size(n: int, sampler: ResumableSampler, what: str) -> None:
     if sampler.batches_per_epoch == 0:
         raise BadInput(
@@ -369,7 +278,7 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
     _check_size(len(layout.train), sampler, f"data.path={cfg.path}")
     kw: dict[str, Any] = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
-        if _socket_tempdir_too_long():
+        if socket_tempdir_too_long():
             log.info("TMPDIR=%s is too long for the DataLoader workers' Unix sockets: they use a directory in /tmp",
                      tempfile.gettempdir())
         # Workers ignore stop signals: torchrun signals each rank's whole process group, and a worker
