@@ -2,7 +2,7 @@
 
 ABLATE is a comma-separated subset of:
   stopflag   the per-step all-reduce of the stop flag (job.distributed.all_reduce_max_flag): local flag only
-  clip       the per-step gradient norm (clip_grad_norm_ with max_norm=inf): returns 0 without computing
+  clip       the per-step gradient norm (get_total_norm; clip_grad_norm_ when clipping): 0 without computing
   observer   the per-step observer work (progress file writes, per-rank stats gather every N steps)
 Profiling only: an ablated run is not safe to preempt (stopflag) or to clip (clip).
 """
@@ -26,6 +26,7 @@ def main() -> int:
         distributed.all_reduce_max_flag = lambda flag, rt: flag  # type: ignore[assignment]
     if "clip" in off:
         torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **kw: torch.zeros(())  # type: ignore[assignment]
+        torch.nn.utils.get_total_norm = lambda tensors, **kw: torch.zeros(())  # type: ignore[assignment]
     if "observer" in off:
         observe.Observer.step_done = lambda self, step, timer: None  # type: ignore[method-assign]
         observe.Observer._grads_ready = lambda self, p: None  # type: ignore[method-assign]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -213,8 +212,10 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
                 scaler.scale(loss).backward()
             step_loss += loss.detach()
         scaler.unscale_(optimizer)
-        max_norm = cfg.train.grad_clip_norm if cfg.train.grad_clip_norm > 0 else math.inf
-        grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm, foreach=True)
+        if cfg.train.grad_clip_norm > 0:
+            grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.train.grad_clip_norm, foreach=True)
+        else:  # the norm alone (logged, finite check): clip_grad_norm_ with inf would also rescale every gradient by 1
+            grad_norm = nn.utils.get_total_norm([p.grad for p in raw_model.parameters() if p.grad is not None], foreach=True)
         # One host sync per step: every rank holds the same all-reduced gradients, so all decide alike.
         finite = bool(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
         if finite or scaler.is_enabled():
