@@ -413,7 +413,10 @@ class Simulation:
             if clean != "None" and pod.phase in ("Running", "Pending"):
                 pod.stop.set()
                 if pod.pid1:
-                    os.kill(pod.pid1, signal.SIGKILL)
+                    try:
+                        os.kill(pod.pid1, signal.SIGKILL)
+                    except ProcessLookupError:  # it exited between the phase check and the kill
+                        pass
         self._event("job", condition)
         return condition
 
