@@ -167,15 +167,15 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     # 1. SIGTERM to the agent (what Kubernetes and scancel do) right after step 2 is logged: it lands during
     #    step 3's first micro-batch, i.e. in the middle of gradient accumulation. A second SIGTERM, sent to
     #    the workers themselves while they save, must change nothing.
-    #    Rank 0 sleeps 6 s before step 3's first forward (the straggler aid) and the signal is sent 2 s after
+    #    Rank 0 sleeps 10 s before step 3's first forward (the straggler aid) and the signal is sent 3 s after
     #    step 2 is logged, so it lands inside micro-batch 1/2 however loaded the machine is (sent at once, it
     #    can land before the step boundary's stop check). A sleep changes no number.
-    a1 = Job(tmp_path, [], [*chain, "--ckpt.every", "0", "--observe.debug-delay-s", "6",
+    a1 = Job(tmp_path, [], [*chain, "--ckpt.every", "0", "--observe.debug-delay-s", "10",
                             "--observe.debug-delay-rank", "0", "--observe.debug-delay-steps", "3"])
     jobs.append(a1)
     a1.wait_for(rf"\[rank 0/2\] INFO step 2/{STEPS} ")
     a1.wait_for(rf"\[rank 1/2\] INFO step 2/{STEPS} ")  # both ranks are past step 2
-    time.sleep(2.0)
+    time.sleep(3.0)
     a1.signal(signal.SIGTERM)
     _, m = a1.wait_for(r"stop requested \(signal SIGTERM, received during ([^)]*)\): saving at step (\d+)")
     for rank in (0, 1):
