@@ -8,7 +8,6 @@ Also the startup reference: prints the wall time of the first collective and of 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -20,17 +19,11 @@ import torch.distributed as dist  # noqa: E402
 import torchvision  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+from benchmarks.common import reference_args  # noqa: E402
+
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--batch", type=int, default=32, help="global batch")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = reference_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -13,6 +14,19 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+
+
+def reference_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line of the reference programs (bare_ddp.py, lightning_ref.py): the same work for both."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="global batch")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
 
 
 def median_spread(values: Iterable[float]) -> dict[str, float]:

@@ -4,7 +4,6 @@ by a callback from batch start to batch end, written by rank 0 as JSON."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -13,6 +12,8 @@ import lightning as L
 import torch
 import torchvision
 from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.common import reference_args
 
 
 class Net(L.LightningModule):
@@ -50,15 +51,7 @@ class StepTimes(L.Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--batch", type=int, default=32, help="global batch")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = reference_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     micro = a.batch // world
     g = torch.Generator().manual_seed(0)
