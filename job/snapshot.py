@@ -40,6 +40,8 @@ class HostStaging:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
         self._keys: list[tuple[Any, ...]] = []
+        self._next = 0  # buffer index of the next tensor met in the traversal
+        self._device_copies = False  # whether this snapshot queued non-blocking device-to-host copies
 
     @property
     def nbytes(self) -> int:

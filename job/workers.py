@@ -36,7 +36,7 @@ class WorkerTrackingLoader(DataLoader):
 
 
 def kill_workers() -> None:
-    """SIGKILL the DataLoader workers still alive when the interpreter exits.
+    """SIGKILL the DataLoader workers still alive: at interpreter exit (atexit) and before job.cli's ``os._exit``.
 
     The workers ignore SIGTERM (job.preempt.ignore_stop_signals). multiprocessing's own exit hook
     terminates daemonic children with SIGTERM and then joins them, so a loader or iterator still
