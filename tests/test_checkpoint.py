@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -24,14 +23,9 @@ from job.config import load_config
 from job.exitcodes import BadInput
 from job.resume import check_resumable, config_differences, map_data_position
 
+from conftest import require
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def unavailable(reason: str) -> None:
-    """Skip locally, fail in CI (no integration test may skip there)."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"required in CI: {reason}")
-    pytest.skip(reason)
 
 
 def state(seed: int, mib: float = 0.25) -> dict:
@@ -283,7 +277,7 @@ def small_fs(tmp_path: Path):
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        unavailable(f"cannot mount a tmpfs (root needed): {r.stderr.strip()}")
+        require(False, f"cannot mount a tmpfs (root needed): {r.stderr.strip()}")
     try:
         yield mnt
     finally:

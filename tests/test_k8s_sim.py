@@ -22,22 +22,18 @@ import yaml
 
 import k8s_sim as ks
 import k8s_validate as kv
+from conftest import require
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 420  # per job; a loaded 2-core machine is 5-10x slower than an idle one
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        pytest.fail(msg) if os.environ.get("CI") == "true" else pytest.skip(msg)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _requirements() -> Iterator[None]:
-    _need(os.geteuid() == 0, "the operator simulation needs root (network namespaces, mounts)")
+    require(os.geteuid() == 0, "the operator simulation needs root (network namespaces, mounts)")
     for tool in ("ip", "mount", "getent", "kubectl"):
-        _need(shutil.which(tool) is not None, f"{tool} not found: install iproute2/mount/libc-bin/kubectl")
-    _need((ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
+        require(shutil.which(tool) is not None, f"{tool} not found: install iproute2/mount/libc-bin/kubectl")
+    require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
           "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv")
     yield
     ks.teardown()  # also after a test that was interrupted before its own clean-up

