@@ -10,7 +10,6 @@ and its steps/s ratio to the bare loop of the same repetition; one JSON line las
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from job import checkpoint as ckpt
 from job import distributed, doctor, metrics, observe, parallel

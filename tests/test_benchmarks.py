@@ -71,7 +71,6 @@ def test_comm_quick_counts_match_theory(tmp_path):
 
 
 def test_checkpoint_quick(tmp_path):
-    import torch
     import torchvision
 
     out = bench(tmp_path, "checkpoint")
