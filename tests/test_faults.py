@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, base_env, bin_path, require
+from conftest import ROOT, base_env, bin_path, make_data, require
 
 STEPS = 10  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
 
@@ -421,8 +421,6 @@ def test_stalled_data_worker_ends_in_an_error_naming_the_setting(tmp_path: Path)
     """After step 1 every training image becomes a FIFO nobody writes: the worker's next open() blocks forever,
     as on a hung network mount. Once the prefetched batches are used up the run must end with exit 1 and an
     error naming data.loader_timeout_s: no hang, no blaming the network, the worker not left behind."""
-    from conftest import make_data
-
     data = make_data(tmp_path / "data", classes=4, per_class=16, size=16)  # 8 steps per epoch at batch 8
     out = tmp_path / "runs"
     cmd = [bin_path("ddp-job"), "train", "--run.output-dir", str(out), "--run.name", "stall", "--data.path", str(data),
