@@ -1,7 +1,7 @@
 """``ddp-job train`` with one per-step extra switched off (ABLATE env var), for benchmarks/profile_overhead.py.
 
 ABLATE is a comma-separated subset of:
-  stopflag   the per-step all-reduce of the stop flag (job.distributed.all_reduce_max_flag): local flag only
+  stopflag   the per-step all-reduce of the stop flag (job.parallel.distributed.all_reduce_max_flag): local flag only
   clip       the per-step gradient norm (get_total_norm; clip_grad_norm_ when clipping): 0 without computing
   observer   the per-step observer work (progress file writes, per-rank stats gather every N steps)
 Profiling only: an ablated run is not safe to preempt (stopflag) or to clip (clip).
@@ -20,7 +20,9 @@ def main() -> int:
     unknown = off - {"stopflag", "clip", "observer"}
     if unknown:
         raise SystemExit(f"ABLATE: unknown {sorted(unknown)}; choose from stopflag, clip, observer")
-    from job import cli, distributed, observe
+    from job import cli
+    from job.parallel import distributed
+    from job.observe import observer as observe
 
     if "stopflag" in off:
         distributed.all_reduce_max_flag = lambda flag, rt: flag  # type: ignore[assignment]

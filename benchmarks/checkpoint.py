@@ -1,4 +1,4 @@
-"""Checkpoint stall: how long training is blocked per checkpoint by job.checkpoint.CheckpointManager,
+"""Checkpoint stall: how long training is blocked per checkpoint by job.checkpoint.store.CheckpointManager,
 synchronous and asynchronous, vs a plain ``torch.save`` of the same state (model + SGD momentum state).
 
 Blocked time = the duration of ``manager.save(...)`` on the training thread: sync writes, fsyncs and
@@ -33,8 +33,8 @@ def main(argv: list[str]) -> int:
     import torch
     import torchvision
 
-    from job.checkpoint import CheckpointManager
-    from job.snapshot import HostStaging, to_host
+    from job.checkpoint.store import CheckpointManager
+    from job.checkpoint.snapshot import HostStaging, to_host
 
     torch.manual_seed(0)
     model = torchvision.models.get_model(model_name, weights=None, num_classes=1000)

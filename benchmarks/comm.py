@@ -1,5 +1,5 @@
 """Communication: gradient all-reduce calls and bytes per optimizer step with accumulation 1, 2, 4
-(counted by the trainer's own comm hook, job.parallel.CommCounter, not timed), and the step time of DDP
+(counted by the trainer's own comm hook, job.parallel.ddp.CommCounter, not timed), and the step time of DDP
 vs the same model under ``no_sync`` (the communication cost that backward does not hide).
 
 Theory checked here: with ``no_sync`` on all but the last micro-batch, every optimizer step sends each

@@ -1,7 +1,7 @@
 """Worker of the communication benchmark (run under torchrun, gloo/nccl).
 
 Counts gradient all-reduce calls and bytes per optimizer step with gradient accumulation 1, 2, 4 through
-job.parallel.CommCounter (the trainer's own counting comm hook, ``ddp.comm_stats``) wrapped around a
+job.parallel.ddp.CommCounter (the trainer's own counting comm hook, ``ddp.comm_stats``) wrapped around a
 byte-counting all-reduce, and times DDP steps with and without ``no_sync`` (interleaved, rank 0 writes JSON).
 """
 
@@ -20,7 +20,7 @@ import torchvision
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from job.parallel import CommCounter
+from job.parallel.ddp import CommCounter
 
 
 class Bytes:

@@ -26,7 +26,7 @@ def loader_rate(path: Path, workers: int, batch: int, size: int, batches: int) -
     import torch
 
     from job.config import DataConfig
-    from job.data import build_loaders
+    from job.data.loaders import build_loaders
 
     cfg = DataConfig(source="imagefolder", path=path, num_classes=10, image_size=size, num_workers=workers)
     loaders = build_loaders(cfg, 0, 1, batch, 0, torch.device("cpu"))

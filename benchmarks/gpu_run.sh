@@ -6,7 +6,7 @@
 # 2. overhead: ddp-job train vs bare DDP loop (vs Lightning if installed), 1 GPU, ResNet-50 bf16 CL (~1.5 min)
 # 3. data: the trainer on synthetic data vs decoded JPEGs (ImageFolder, 8 workers), img/s + data-wait (~1.5 min)
 # Needs the project's venv with the CUDA build of torch (.venv, or PYTHON=...); the machine has no network.
-# Kept separate from benchmarks/gpu_check_issue7.sh (issue 7), same conventions ($OUT, TMPDIR, timeouts).
+# Kept separate from benchmarks/gpu_check_efficiency.sh, same conventions ($OUT, TMPDIR, timeouts).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-gpu}

@@ -6,7 +6,7 @@ vs copying into reused buffers: where the checkpoint stall goes (docs/benchmarks
 import cProfile, pstats, tempfile, time, io
 from pathlib import Path
 import torch, torchvision
-from job.checkpoint import CheckpointManager, to_host
+from job.checkpoint.store import CheckpointManager, to_host
 torch.manual_seed(0)
 m = torchvision.models.resnet50(num_classes=1000)
 opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)

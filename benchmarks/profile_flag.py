@@ -1,5 +1,5 @@
 """Latency of the trainer's per-step stop-flag agreement: a 1-element MAX all-reduce on a second gloo group
-(job.distributed.all_reduce_max_flag), when both ranks arrive together and after uneven compute.
+(job.parallel.distributed.all_reduce_max_flag), when both ranks arrive together and after uneven compute.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/profile_flag.py
 """

@@ -25,7 +25,7 @@ def import_profile(env: dict[str, str]) -> dict[str, float]:
     """Seconds to import torch alone vs the trainer's modules (where a slow start usually goes)."""
     out = {}
     for name, code in (("import torch", "import torch"), ("import torch+torchvision", "import torch, torchvision"),
-                       ("import job.train", "import job.train")):
+                       ("import job.train.run", "import job.train.run")):
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", code], env=env, cwd=common.ROOT, check=True)
         out[name] = time.perf_counter() - t0

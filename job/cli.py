@@ -1,4 +1,4 @@
-"""``ddp-job`` / ``python -m job``: subcommands. Maps errors to the documented exit codes (job.exitcodes)."""
+"""``ddp-job`` / ``python -m job``: subcommands. Maps errors to the documented exit codes (job.errors)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_TIMEOUT, BadInput
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_TIMEOUT, BadInput
 
 USAGE = """usage: ddp-job COMMAND [ARGS]
 
@@ -55,10 +55,10 @@ def _train(argv: list[str]) -> int:
         cfg = load_config(argv)
         nproc = _self_launch_nproc(cfg.dist.nproc_per_node, os.environ)
         if nproc > 1:
-            from job import launch
+            from job.launchers import torchrun as launch
 
             return launch.launch_main(launch.standalone_argv(nproc, argv))
-    from job.train import main as train_main
+    from job.train.run import main as train_main
 
     return train_main(argv)  # entrypoint() leaves with os._exit: no slow teardown after a preemption save
 
@@ -85,10 +85,10 @@ def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
     "config": _config,
-    "launch": _lazy("job.launch", "launch_main"),
-    "make-data": _lazy("job.datagen", "make_data_main"),
-    "submit": _lazy("job.submit", "main"),
-    "doctor": _lazy("job.doctor", "main"),
+    "launch": _lazy("job.launchers.torchrun", "launch_main"),
+    "make-data": _lazy("job.data.datagen", "make_data_main"),
+    "submit": _lazy("job.launchers.submit", "main"),
+    "doctor": _lazy("job.doctor.run", "main"),
     "bench": _lazy("benchmarks", "main"),
 }
 
@@ -128,7 +128,7 @@ def entrypoint() -> None:
     job owns is closed and flushed explicitly by then; ``os._exit`` skips only the generic teardown.
     """
     code = main()
-    workers = sys.modules.get("job.workers")
+    workers = sys.modules.get("job.data.workers")
     if workers is not None:  # os._exit skips atexit: a worker blocked in I/O would outlive the job and hold its stdout
         workers.kill_workers()
     logging.shutdown()

@@ -1,7 +1,7 @@
 """Run under real torchrun (2 processes, gloo) by tests/test_parallel.py; rank 0 writes JSON to argv[1].
 
 Scenarios, in one launch so the ~10 s start-up is paid once:
-  hooks   for each comm hook (bf16, fp16; PowerSGD deadlocks on gloo and is refused there): a few DDP steps via job.parallel.wrap_model on a fixed
+  hooks   for each comm hook (bf16, fp16; PowerSGD deadlocks on gloo and is refused there): a few DDP steps via job.parallel.ddp.wrap_model on a fixed
           batch of the generated dataset; losses, and the max parameter difference across ranks.
   memory  bytes of AdamW optimizer state per rank for a ResNet-50, with and without ZeRO.
 """
@@ -18,12 +18,12 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 
-from job import parallel
+from job.parallel import ddp as parallel
 from job.config import load_config
-from job.data import build_loaders, to_device
-from job.distributed import Runtime
-from job.model import build_model
-from job.optim import build_optimizer
+from job.data.loaders import build_loaders, to_device
+from job.parallel.distributed import Runtime
+from job.train.model import build_model
+from job.train.optim import build_optimizer
 
 
 def hook_run(hook: str, data: str, rt: Runtime, steps: int = 5) -> dict:

@@ -1,4 +1,4 @@
-"""job.checkpoint and job.resume, without a process group: durability, verification, fallback, pruning,
+"""job.checkpoint.store and job.checkpoint.resume, without a process group: durability, verification, fallback, pruning,
 weights_only loading, refusal of non-finite state, disk full on a real small filesystem, resume checks.
 
 Real files, real torch.save/torch.load, a real kill -9 of a process in the middle of saving and a real
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from job import checkpoint as ckpt
+from job.checkpoint import store as ckpt
 from job.config import load_config
-from job.exitcodes import BadInput
-from job.resume import check_resumable, config_differences, map_data_position
+from job.errors import BadInput
+from job.checkpoint.resume import check_resumable, config_differences, map_data_position
 
 from conftest import require
 
@@ -118,7 +118,7 @@ def test_tmp_directories_are_ignored_and_cleaned(tmp_path: Path) -> None:
 SAVER = r"""
 import sys, torch
 from pathlib import Path
-from job import checkpoint as ckpt
+from job.checkpoint import store as ckpt
 m = ckpt.CheckpointManager(Path(sys.argv[1]), 1000, async_save=False, is_main=True)
 step = 0
 while True:
@@ -248,7 +248,7 @@ def test_async_save_copies_state_first_and_waits(tmp_path: Path) -> None:
 
 
 def test_host_staging_reuses_buffers_and_keeps_the_structure() -> None:
-    from job.snapshot import HostStaging
+    from job.checkpoint.snapshot import HostStaging
 
     live = {"w": torch.randn(64, 3).t(), "pair": (torch.arange(5), 3), "n": [1.5]}  # .t(): non-contiguous
     staging = HostStaging()

@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from conftest import base_env, run_cli
 from job.config import JobConfig, dump_config, load_config
-from job.exitcodes import BadInput
-from job.plan import make_plan
+from job.errors import BadInput
+from job.config.plan import make_plan
 
 
 def yaml_file(tmp_path: Path, text: str) -> Path:

@@ -1,4 +1,4 @@
-"""job/data.py and job/datagen.py: generated data, sample order, resume, augmentation, sharding, errors."""
+"""job/data/loaders.py and job/data/datagen.py: generated data, sample order, resume, augmentation, sharding, errors."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from job import datagen
+from job.data import datagen
 from job.config import DataConfig
-from job.data import (
+from job.data.loaders import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     ResumableSampler,
@@ -25,8 +25,8 @@ from job.data import (
     to_device,
     validate_data,
 )
-from job.datagen import make_data_main, make_dataset
-from job.exitcodes import BadInput
+from job.data.datagen import make_data_main, make_dataset
+from job.errors import BadInput
 
 CPU = torch.device("cpu")
 
@@ -394,8 +394,8 @@ EXIT_SCRIPT = """
 import sys, torch
 from pathlib import Path
 from job.config import DataConfig
-from job.data import build_loaders
-from job.exitcodes import BadInput
+from job.data.loaders import build_loaders
+from job.errors import BadInput
 cfg = DataConfig(path=Path(sys.argv[1]), num_classes=2, image_size=16, num_workers=2)
 LOADERS = build_loaders(cfg, 0, 1, 2, 0, torch.device("cpu"))  # still referenced at exit
 next(iter(LOADERS.val))
@@ -410,8 +410,8 @@ except BadInput as e:
 
 
 def test_process_exits_although_workers_ignore_sigterm_and_loaders_live_on(tmp_path):
-    # Workers ignore SIGTERM (job.preempt) and multiprocessing's exit hook only SIGTERMs and then joins
-    # them: without job.data's own exit hook this process never ends (observed: hung until killed).
+    # Workers ignore SIGTERM (job.train.preempt) and multiprocessing's exit hook only SIGTERMs and then joins
+    # them: without job.data.loaders's own exit hook this process never ends (observed: hung until killed).
     root = tmp_path / "d"
     make_dataset(root, classes=2, per_class=4, size=16, val_per_class=1)
     bad = root / "train" / "class_00" / "000001.png"
@@ -426,7 +426,7 @@ LONG_TMPDIR_SCRIPT = """
 import sys, tempfile, torch
 from pathlib import Path
 from job.config import DataConfig
-from job.data import build_loaders
+from job.data.loaders import build_loaders
 cfg = DataConfig(path=Path(sys.argv[1]), num_classes=2, image_size=16, num_workers=2, loader_timeout_s=60)
 loaders = build_loaders(cfg, 0, 1, 2, 0, torch.device("cpu"))
 train = sum(images.shape[0] for images, _ in loaders.train)

@@ -1,4 +1,4 @@
-"""job.env: every launcher's environment -> DistEnv, and every bad environment -> BadInput naming it.
+"""job.launchers.env: every launcher's environment -> DistEnv, and every bad environment -> BadInput naming it.
 
 The Slurm and PyTorchJob environments below are not invented: the Slurm ones were recorded on a real
 Slurm 22.05 cluster (tests/infra/slurm-cluster.sh, 2 nodes n1 n2, `sbatch --nodes=2 --ntasks-per-node=2`
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from job.env import (
+from job.launchers.env import (
     DETECTION_ORDER,
     SLURM_PORT_BASE,
     SLURM_PORT_SPAN,
@@ -27,7 +27,7 @@ from job.env import (
     parse_slurm_tasks_per_node,
     slurm_master_port,
 )
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -308,7 +308,7 @@ def test_detect_env_reads_only_the_mapping() -> None:
 WORKER = textwrap.dedent(
     """
     import os
-    from job.env import detect_env
+    from job.launchers.env import detect_env
     print("DETECTED", repr(detect_env(os.environ)), flush=True)
     """
 )

@@ -408,7 +408,7 @@ def test_bad_input_from_the_console_script_and_traceback_flag(tmp_path: Path) ->
 
 
 def test_launch_forwards_usr1_and_usr2_unless_the_user_chose_the_signals() -> None:
-    from job.launch import build_torchrun_args, with_stop_signals
+    from job.launchers.torchrun import build_torchrun_args, with_stop_signals
 
     default = build_torchrun_args(["--nproc-per-node", "2", "--", "--train.steps", "1"]).signals_to_handle
     assert with_stop_signals(default).split(",") == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"]

@@ -1,4 +1,4 @@
-"""job.launch: torchrun options parsed by torch's own parser, the worker command forced to `-m job train`,
+"""job.launchers.torchrun: torchrun options parsed by torch's own parser, the worker command forced to `-m job train`,
 and the workers' exit codes mapped to the job's (docs/design.md).
 
 The integration tests run the real torchrun elastic agent (launch_main in a child process, so signals
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
-from job.launch import build_torchrun_args, map_exit_codes, split_argv, standalone_argv, _parser
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
+from job.launchers.torchrun import build_torchrun_args, map_exit_codes, split_argv, standalone_argv, _parser
 
 REPO = Path(__file__).resolve().parents[1]
-AGENT = "import sys; from job.launch import launch_main; sys.exit(launch_main(sys.argv[1:], module='tests.launch_worker'))"
+AGENT = "import sys; from job.launchers.torchrun import launch_main; sys.exit(launch_main(sys.argv[1:], module='tests.launch_worker'))"
 
 
 # --- pure: argument handling and the mapping ------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from job.observe import stall_report, summarize
+from job.observe.observer import stall_report, summarize
 from conftest import base_env, make_data, torchrun
 
 TINY = ["--data.num-classes", "4", "--data.image-size", "16", "--data.num-workers", "0", "--train.global-batch-size", "8",

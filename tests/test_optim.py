@@ -1,6 +1,6 @@
-"""Optimizers, LR scaling and schedules, EMA, and the dp strategy's refusal on CPU (issue 7).
+"""Optimizers, LR scaling and schedules, EMA, and the dp strategy's refusal on CPU.
 
-The schedule tests compare torch's schedulers, as job.optim builds them, with the closed-form formulas;
+The schedule tests compare torch's schedulers, as job.train.optim builds them, with the closed-form formulas;
 the optimizer tests train on the generated dataset in-process; the EMA test runs the real CLI twice
 (checkpoint at step 2, resume in a fresh run directory) and needs bitwise-equal results.
 """
@@ -18,10 +18,10 @@ from torch import nn
 
 from conftest import base_env, load_final_state, run_cli
 from job.config import load_config
-from job.data import build_loaders, to_device
-from job.exitcodes import BadInput
-from job.optim import build_optimizer, build_scheduler
-from job.plan import make_plan
+from job.data.loaders import build_loaders, to_device
+from job.errors import BadInput
+from job.train.optim import build_optimizer, build_scheduler
+from job.config.plan import make_plan
 
 # --- LR: scaling rule + warmup + schedule against closed forms ---------------------------------------------------
 
@@ -228,7 +228,7 @@ def test_dp_strategy_refused_on_cpu(tmp_path: Path) -> None:
     (["--ddp.comm-hook", "powersgd"], 2, False, "ddp.comm_hook='powersgd' needs the nccl backend"),
 ])
 def test_dp_strategy_refusals(args: list[str], world_size: int, cuda: bool, fragment: str) -> None:
-    from job.parallel import validate
+    from job.parallel.ddp import validate
 
     cfg = load_config(args, {})
     with pytest.raises(BadInput, match=re.escape(fragment)):

@@ -1,4 +1,4 @@
-"""ZeRO, DDP communication hooks and the all-reduce count, with real torchrun (2 processes, gloo) (issue 7).
+"""ZeRO, DDP communication hooks and the all-reduce count, with real torchrun (2 processes, gloo).
 
 ZeRO equivalence tolerance: final parameters of 2 processes with ZeroRedundancyOptimizer vs 2 without agree
 to atol 1e-6 (float32; each rank runs the same AdamW arithmetic on its shard, then broadcasts; we observed

@@ -168,7 +168,7 @@ def sbatch(env: dict[str, str], workdir: Path, args: list[str], *opts: str) -> S
 
 
 def final_params(run_dir: Path) -> tuple[int, dict]:
-    from job import checkpoint as ckpt
+    from job.checkpoint import store as ckpt
 
     found = ckpt.find_latest(run_dir)
     assert found is not None, f"no complete checkpoint in {run_dir}"
@@ -202,13 +202,13 @@ def drive_preempted(job: SbatchJob) -> dict[str, str]:
     `scontrol requeue` from outside (SIGTERM path); the third attempt completes."""
     job.wait_attempt_training(0, 300)
     job.events["signal"] = time.monotonic()
-    sh(job.env, "scancel", "--batch", "--signal=USR2", job.jid)
+    sh(job.launchers.env, "scancel", "--batch", "--signal=USR2", job.jid)
     job.wait_resumed(1, 240)
     job.events["resumed"] = time.monotonic()
     job.events["steps_before_requeue"] = max(steps_saved(job.run_dir))
     job.wait_attempt_training(1, 240)
     job.events["requeue"] = time.monotonic()
-    sh(job.env, "scontrol", "requeue", job.jid)
+    sh(job.launchers.env, "scontrol", "requeue", job.jid)
     job.wait_resumed(2, 240)
     job.events["resumed2"] = time.monotonic()
     return job.wait_done(300)
@@ -221,11 +221,11 @@ def drive_time_limit(job: SbatchJob) -> dict[str, str]:
     job.wait_attempt_training(0, 300)
     elapsed = sum(int(x) * m for x, m in zip(reversed(job.info()["RunTime"].split(":")), (1, 60, 3600)))
     job.events["limit_shortened"] = time.monotonic()
-    sh(job.env, "scontrol", "update", f"JobId={job.jid}", f"TimeLimit={elapsed // 60 + 10}")
+    sh(job.launchers.env, "scontrol", "update", f"JobId={job.jid}", f"TimeLimit={elapsed // 60 + 10}")
     wait_for(lambda: "got SIGUSR2" in job.log, 120, f"Slurm's time-limit signal to job {job.jid}", poll=0.5)
     job.events["signal"] = time.monotonic()
     wait_for(lambda: "attempt 1:" in job.log, 240, f"job {job.jid} to be requeued after its time-limit signal", poll=0.5)
-    sh(job.env, "scontrol", "update", f"JobId={job.jid}", "TimeLimit=30")
+    sh(job.launchers.env, "scontrol", "update", f"JobId={job.jid}", "TimeLimit=30")
     return job.wait_done(300)
 
 
@@ -298,7 +298,7 @@ def test_scontrol_requeue_from_outside_resumes(sbatch_jobs: dict[str, tuple[Sbat
     resumed = re.search(r"resumed from \S+ \(step (\d+),", second[1])
     assert resumed and int(resumed.group(1)) > job.events["steps_before_requeue"], "attempt 2 did not resume from attempt 1's checkpoint"
     timing("scontrol requeue to resumed job running", job.events["resumed2"] - job.events["requeue"])
-    sacct = sh(job.env, "sacct", "-n", "-P", "-D", "-X", "-j", job.jid, "-o", "State")
+    sacct = sh(job.launchers.env, "sacct", "-n", "-P", "-D", "-X", "-j", job.jid, "-o", "State")
     assert sacct.split().count("REQUEUED") == 2, sacct
 
 
@@ -345,7 +345,7 @@ def test_doctor_through_the_sbatch_script(slurm_env: dict[str, str], shapes: Pat
 # ------------------------------------------------------------------ submitit
 def submit(env: dict[str, str], workdir: Path, *args: str) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "job.submit", "--log-folder", str(workdir / "submitit"), "--output-dir", str(workdir / "runs"),
+    cmd = [sys.executable, "-m", "job.launchers.submit", "--log-folder", str(workdir / "submitit"), "--output-dir", str(workdir / "runs"),
            "--time", "10", "--wait", *args]
     return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -1,4 +1,4 @@
-"""job.submit without Slurm: sweeps, the run argv, the stop-signal override, bad input."""
+"""job.launchers.submit without Slurm: sweeps, the run argv, the stop-signal override, bad input."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from job.exitcodes import BadInput
-from job.submit import node_address, parse_sweep, run_argv, sweep_runs, trainer_stop_signals
+from job.errors import BadInput
+from job.launchers.submit import node_address, parse_sweep, run_argv, sweep_runs, trainer_stop_signals
 
 
 def test_parse_sweep() -> None:
@@ -47,7 +47,7 @@ def test_node_address_keeps_resolvable_names() -> None:
 
 
 def test_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "job.submit", "--gpus-per-node", "2", "--tasks-per-node", "3",
+    proc = subprocess.run([sys.executable, "-m", "job.launchers.submit", "--gpus-per-node", "2", "--tasks-per-node", "3",
                            "--log-folder", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--tasks-per-node 3 with --gpus-per-node 2" in proc.stderr

@@ -25,7 +25,7 @@ def final(stdout: str) -> dict[str, float]:
 
 def exact_args(data: Path, out: Path, name: str, **over: str) -> list[str]:
     """A setup that is exact in principle across world sizes: GroupNorm (no batch statistics), no augmentation,
-    no dropout, the same samples in every global batch (job.data's row layout), SGD without momentum noise."""
+    no dropout, the same samples in every global batch (job.data.loaders's row layout), SGD without momentum noise."""
     args = {
         "--data.path": str(data), "--data.num-classes": "4", "--data.image-size": "16", "--data.augment": "false",
         "--data.num-workers": "0", "--model.name": "resnet18", "--model.norm": "group", "--optim.lr": "0.05",
@@ -105,7 +105,7 @@ def test_training_changed_the_parameters(exact_runs: dict[str, Path]) -> None:
     state = load_final_state(exact_runs["ddp2"])
     torch.manual_seed(0)
     from job.config import ModelConfig
-    from job.model import build_model
+    from job.train.model import build_model
 
     init = build_model(ModelConfig(name="resnet18", norm="group"), 4).state_dict()
     assert max_abs_diff(init, state["model"]) > 1e-3

@@ -21,19 +21,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from job import checkpoint as ckpt
-from job import distributed, doctor, metrics, observe, parallel
+from job.checkpoint import store as ckpt
+from job.parallel import distributed
+from job.doctor import run as doctor
+from job.observe import metrics
+from job.observe import observer as observe
+from job.parallel import ddp as parallel
 from job.config import JobConfig, config_to_dict, dump_config, load_config
-from job.data import build_loaders, to_device, validate_data
-from job.env import DistEnv, detect_env
-from job.ema import build_ema
-from job.exitcodes import EXIT_OK, EXIT_PREEMPTED, BadInput
-from job.model import build_model
-from job.optim import build_optimizer, build_scheduler
-from job.plan import Plan, make_plan
-from job.prefetch import wrap_loaders
-from job.preempt import StopRequest
-from job.resume import agree_on_checkpoint, find_resume, map_data_position, rng_state, set_rng_state
+from job.data.loaders import build_loaders, to_device, validate_data
+from job.launchers.env import DistEnv, detect_env
+from job.train.ema import build_ema
+from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
+from job.train.model import build_model
+from job.train.optim import build_optimizer, build_scheduler
+from job.config.plan import Plan, make_plan
+from job.data.prefetch import wrap_loaders
+from job.train.preempt import StopRequest
+from job.checkpoint.resume import agree_on_checkpoint, find_resume, map_data_position, rng_state, set_rng_state
 
 log = logging.getLogger("job")
 

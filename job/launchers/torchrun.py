@@ -21,9 +21,9 @@ import signal
 import sys
 from collections.abc import Iterable, Sequence
 
-from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
 
-log = logging.getLogger("job.launch")
+log = logging.getLogger("job.launchers.torchrun")
 
 TARGET_MODULE = "job"
 TARGET_COMMAND = "train"  # the default worker command
@@ -53,7 +53,7 @@ def with_stop_signals(signals_to_handle: str) -> str:
     agent sends them to every worker, which saves at the next step boundary and exits 143, while the agent
     waits ``--shutdown-timeout`` seconds (default 30) before SIGKILL: one step plus one checkpoint write
     must fit in it (raise it with --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT). The run
-    directory's STOP file remains the way for launchers that signal nothing but a shell (job.preempt).
+    directory's STOP file remains the way for launchers that signal nothing but a shell (job.train.preempt).
     """
     if signals_to_handle.replace(" ", "") != TORCHRUN_DEFAULT_SIGNALS:
         return signals_to_handle

@@ -5,7 +5,7 @@ to stop, both checked at every step boundary:
 
 * a signal in ``train.stop_signals`` delivered to the worker. Plain torchrun forwards only
   SIGTERM/SIGINT/SIGHUP/SIGQUIT; ``ddp-job launch`` (and ``ddp-job train`` launching itself) adds
-  SIGUSR1/SIGUSR2 to torchrun's ``--signals-to-handle`` (job.launch.with_stop_signals), so a USR1/USR2
+  SIGUSR1/SIGUSR2 to torchrun's ``--signals-to-handle`` (job.launchers.torchrun.with_stop_signals), so a USR1/USR2
   sent to the agent only (Slurm ``--signal=B:...``) reaches every worker too;
 * the stop file ``<run_dir>/STOP``, for launchers that can only run a shell command (slurm/train.sbatch
   traps USR1/USR2 and touches it; works with plain torchrun and across nodes on a shared filesystem).

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 
 from job.config import DdpConfig, JobConfig
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 log = logging.getLogger("job")
 

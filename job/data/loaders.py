@@ -32,10 +32,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
 from job.config import DataConfig
-from job.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
-from job.exitcodes import BadInput
-from job.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
-from job.workers import WorkerTrackingLoader, init_worker, socket_tempdir_too_long
+from job.data.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
+from job.errors import BadInput
+from job.data.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
+from job.data.workers import WorkerTrackingLoader, init_worker, socket_tempdir_too_long
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -282,7 +282,7 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
             log.info("TMPDIR=%s is too long for the DataLoader workers' Unix sockets: they use a directory in /tmp",
                      tempfile.gettempdir())
         # Workers ignore stop signals: torchrun signals each rank's whole process group, and a worker
-        # killed by SIGTERM makes the DataLoader raise in the trainer before it can save (job.preempt).
+        # killed by SIGTERM makes the DataLoader raise in the trainer before it can save (job.train.preempt).
         kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor, worker_init_fn=init_worker,
                   timeout=cfg.loader_timeout_s)
     train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)

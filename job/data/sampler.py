@@ -15,7 +15,7 @@ per rank, a multiple of ``A``), so an optimizer step never straddles two epochs.
 ``set_position(epoch, start_batch)`` starts the next iteration at micro-batch ``start_batch``: the
 remaining batches are exactly those an uninterrupted run would still see. The position is world-size
 independent as "samples consumed in the epoch" (``start_batch * W * m``), which is how a resume with a
-different world size maps it (`ResumableSampler.start_batch_for`, job.resume.map_data_position).
+different world size maps it (`ResumableSampler.start_batch_for`, job.checkpoint.resume.map_data_position).
 Pass the trainer's ``grad_accum_steps``: without it an epoch of ``N // (W*m)`` micro-batches can end in
 the middle of an optimizer step, and then W=1 x 2 micro-steps and W=2 x 1 would see different samples.
 
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:

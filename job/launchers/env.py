@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 LAUNCHERS = ("torchrun", "env", "kubeflow", "slurm", "single")
 

@@ -32,7 +32,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageDraw
 
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 SHAPES = ("circle", "square", "triangle", "cross", "diamond", "ring", "x")
 COLOURS = {

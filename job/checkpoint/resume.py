@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from job.config import JobConfig, config_to_dict
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 log = logging.getLogger("job")
 
@@ -70,7 +70,7 @@ def map_data_position(trainer: dict[str, Any], saved_plan: dict[str, Any], world
     """This layout's ``micro_batches_in_epoch`` for a position saved with another world size / micro batch.
 
     A position is "samples consumed in the epoch" = micro-batches x saved world size x saved micro batch
-    (job.data: a row of W x m samples per micro-batch, the same global order for every W). It maps onto
+    (job.data.loaders: a row of W x m samples per micro-batch, the same global order for every W). It maps onto
     the new layout when that count is a whole number of new rows; saves happen at optimizer-step
     boundaries, so this holds whenever train.global_batch_size is unchanged.
 
@@ -95,7 +95,7 @@ def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int, m
     """Refuse a resume that would silently change the run; say what differs and which flag allows it.
 
     World-size changes: the data position is stored per optimizer step and each global batch holds the
-    same samples whatever the world size (see job.data), so a resume with another world size continues
+    same samples whatever the world size (see job.data.loaders), so a resume with another world size continues
     the same sample sequence as long as train.global_batch_size is unchanged. Per-rank RNG streams
     cannot be mapped and are re-seeded.
     """
@@ -121,12 +121,12 @@ def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int, m
 
 
 def find_resume(cfg: JobConfig, world_size: int, micro_batch_size: int) -> Any:
-    """The checkpoint to resume from (a ``job.checkpoint.Found``) or None; refusals raise BadInput.
+    """The checkpoint to resume from (a ``job.checkpoint.store.Found``) or None; refusals raise BadInput.
 
     Runs in preflight, before any process group or write: a refused resume leaves the run directory as
     it was. Every rank scans the same directory; ``train.run`` checks they agree.
     """
-    from job import checkpoint as ckpt
+    from job.checkpoint import store as ckpt
 
     if not cfg.ckpt.resume:
         existing = ckpt.scan(cfg.run_dir)

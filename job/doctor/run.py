@@ -32,13 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from job import distributed
-from job import doctor_checks as dc
+from job.parallel import distributed
+from job.doctor import checks as dc
 from job.config import JobConfig, config_to_dict, load_config
-from job.doctor_checks import FAIL, ORDER, PASS, WARN, Check
-from job.env import DistEnv, detect_env
-from job.exitcodes import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput
-from job.plan import make_plan
+from job.doctor.checks import FAIL, ORDER, PASS, WARN, Check
+from job.launchers.env import DistEnv, detect_env
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput
+from job.config.plan import make_plan
 
 
 class DoctorFailed(RuntimeError):

@@ -1,10 +1,10 @@
-"""``ddp-job submit`` / ``python -m job.submit``: submit training to Slurm with submitit.
+"""``ddp-job submit`` / ``python -m job.launchers.submit``: submit training to Slurm with submitit.
 
     ddp-job submit --nodes 2 --gpus-per-node 8 --partition gpu --time 240 -- --config configs/x.yaml
     ddp-job submit --gpus-per-node 0 --tasks-per-node 2 --sweep optim.lr=0.1,0.2 --wait -- --train.steps 50
 
 One submitit task per GPU (CPU: ``--tasks-per-node``); each task is one rank and runs
-``job.train.main`` in-process with the env contract (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) exported by
+``job.train.run.main`` in-process with the env contract (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) exported by
 ``submitit.helpers.TorchDistributedEnvironment`` (without its one-GPU-per-task CUDA_VISIBLE_DEVICES:
 the trainer picks ``cuda:LOCAL_RANK`` itself and NCCL wants to see the peers' GPUs).
 
@@ -43,7 +43,7 @@ from typing import Any
 
 import submitit
 
-from job.exitcodes import EXIT_OK, EXIT_PREEMPTED, BadInput
+from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
 
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
@@ -94,7 +94,7 @@ def trainer_stop_signals(train_args: Sequence[str], submitit_signal: str) -> lis
 
 
 def run_argv(train_args: Sequence[str], output_dir: Path, name: str, extra: Sequence[str], submitit_signal: str) -> list[str]:
-    """The argv of ``job.train.main`` for one task (the run directory is fixed here, so a resubmitted
+    """The argv of ``job.train.run.main`` for one task (the run directory is fixed here, so a resubmitted
     task resumes the same run)."""
     return [*train_args, *extra, "--run.output-dir", str(output_dir), "--run.name", name,
             *trainer_stop_signals(train_args, submitit_signal)]
@@ -129,7 +129,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.preempt_grace_s = preempt_grace_s
 
     def __call__(self) -> int:
-        from job import train  # heavy (torch): import in the job, not at submission
+        from job.train import run as train  # heavy (torch): import in the job, not at submission
 
         dist_env = submitit.helpers.TorchDistributedEnvironment()
         # This process is the launcher of its rank, so setting its own environment is its job.
@@ -304,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Import by module name so submitit pickles TrainTask by reference to job.submit, not __main__.
+    # Import by module name so submitit pickles TrainTask by reference to job.launchers.submit, not __main__.
     from job.cli import main as _cli
 
     sys.exit(_cli(["submit", *sys.argv[1:]]))

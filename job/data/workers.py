@@ -1,6 +1,6 @@
 """DataLoader worker processes: tracked so they can be killed at exit, and started so they cannot hang the job.
 
-Workers ignore the stop signals (job.preempt) and are SIGKILLed when the trainer leaves (`kill_workers`):
+Workers ignore the stop signals (job.train.preempt) and are SIGKILLed when the trainer leaves (`kill_workers`):
 a worker blocked in I/O would otherwise outlive the job. Each worker also keeps its Unix socket paths short
 enough to bind (`use_short_socket_tempdir`).
 """
@@ -17,8 +17,8 @@ import weakref
 
 from torch.utils.data import DataLoader
 
-from job.exitcodes import BadInput
-from job.preempt import ignore_stop_signals
+from job.errors import BadInput
+from job.train.preempt import ignore_stop_signals
 
 _WORKERS: "weakref.WeakSet[multiprocessing.process.BaseProcess]" = weakref.WeakSet()
 
@@ -38,7 +38,7 @@ class WorkerTrackingLoader(DataLoader):
 def kill_workers() -> None:
     """SIGKILL the DataLoader workers still alive: at interpreter exit (atexit) and before job.cli's ``os._exit``.
 
-    The workers ignore SIGTERM (job.preempt.ignore_stop_signals). multiprocessing's own exit hook
+    The workers ignore SIGTERM (job.train.preempt.ignore_stop_signals). multiprocessing's own exit hook
     terminates daemonic children with SIGTERM and then joins them, so a loader or iterator still
     referenced at exit (a traceback after a worker error, pytest's excinfo, a global) would hang the
     process forever: the workers outlive SIGTERM and their parent is alive (observed). Workers only
@@ -96,7 +96,7 @@ def use_short_socket_tempdir() -> str | None:
 
 
 def init_worker(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: ignore the stop signals (job.preempt), sockets that fit (above).
+    """DataLoader ``worker_init_fn``: ignore the stop signals (job.train.preempt), sockets that fit (above).
 
     In the worker rather than the trainer: the directory is then removed when the worker ends, which
     the trainer's exit (``os._exit``, job.cli.entrypoint) would skip.

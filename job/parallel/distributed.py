@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from job.config import DistConfig
-from job.env import DistEnv
-from job.exitcodes import BadInput
+from job.launchers.env import DistEnv
+from job.errors import BadInput
 
 
 @dataclass(frozen=True)

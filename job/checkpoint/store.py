@@ -14,7 +14,7 @@ directory that is ignored and cleaned up later. "Latest" is found by scanning, n
 Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code.
 
 Async saving: ``save()`` copies state into reused host buffers on the caller's thread (the only blocking
-part; job.snapshot), then a background thread serialises and writes. At most one save is in flight; ``wait()`` joins it.
+part; job.checkpoint.snapshot), then a background thread serialises and writes. At most one save is in flight; ``wait()`` joins it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from job.snapshot import HostStaging, to_host
+from job.checkpoint.snapshot import HostStaging, to_host
 
 log = logging.getLogger("job")
 

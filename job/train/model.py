@@ -7,7 +7,7 @@ import torchvision
 from torch import nn
 
 from job.config import ModelConfig
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 
 def available_models() -> list[str]:

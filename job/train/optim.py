@@ -2,7 +2,7 @@
 
 Optimizers: torch SGD / AdamW (fused kernels on CUDA, foreach elsewhere) and the large-batch optimizers
 LARS / LAMB from timm (``timm.optim.Lars``, ``timm.optim.Lamb``: maintained implementations, not ours).
-``optim.zero`` shards any of them over ranks with ZeroRedundancyOptimizer (job.parallel).
+``optim.zero`` shards any of them over ranks with ZeroRedundancyOptimizer (job.parallel.ddp).
 
 The scheduler is stepped once per optimizer step (not per epoch), so ``total_steps`` is the horizon.
 """
@@ -69,7 +69,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, device: torch
     groups = param_groups(model, cfg.weight_decay)
     cls, kwargs = optimizer_spec(cfg, lr, device)
     if cfg.zero:
-        from job.parallel import zero_optimizer
+        from job.parallel.ddp import zero_optimizer
 
         return zero_optimizer(groups, cls, kwargs)
     return cls(groups, **kwargs)

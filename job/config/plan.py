@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from job.config import JobConfig
-from job.exitcodes import BadInput
+from job.errors import BadInput
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
-"""GPU throughput table for issue 7 (one GPU; prepared on a CPU machine, run on the device machine).
+"""GPU throughput table of the efficiency options (one GPU; prepared on a CPU machine, run on the device machine).
 
 ResNet-50, synthetic ImageNet-size batches held in pinned HOST memory (so the host-to-device copy is part of
 every step, as with a real DataLoader; the job's own `data.source=synthetic` keeps images on the GPU and
 would hide it). Rows: fp32 (IEEE), fp32+tf32, bf16, bf16+channels_last, bf16+channels_last+compile, each
-with and without job.prefetch's side-stream copy; then the wrapper overhead on one GPU: no wrapper vs DDP
+with and without job.data.prefetch's side-stream copy; then the wrapper overhead on one GPU: no wrapper vs DDP
 vs nn.DataParallel (bf16+channels_last, prefetch on). Every model is built and wrapped by the job's own
-modules (job.model, job.parallel.wrap_model, job.optim).
+modules (job.train.model, job.parallel.ddp.wrap_model, job.train.optim).
 
-    python benchmarks/gpu_issue7.py --out $OUT/issue7_gpu.json [--batch 256 --steps 30 --warmup 8 --budget-s 420]
+    python benchmarks/gpu_efficiency.py --out $OUT/efficiency_gpu.json [--batch 256 --steps 30 --warmup 8 --budget-s 420]
 
 Writes JSON (one record per row, plus the device and versions) and prints a markdown table. A row that would
 start after --budget-s seconds is recorded as skipped, so the run always finishes inside its time box.
@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from job import parallel
+from job.parallel import ddp as parallel
 from job.config import load_config
-from job.data import to_device
-from job.distributed import Runtime
-from job.model import build_model
-from job.optim import build_optimizer
-from job.prefetch import DevicePrefetcher
+from job.data.loaders import to_device
+from job.parallel.distributed import Runtime
+from job.train.model import build_model
+from job.train.optim import build_optimizer
+from job.data.prefetch import DevicePrefetcher
 
 
 class HostBatches:

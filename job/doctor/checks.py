@@ -1,6 +1,6 @@
 """The doctor's checks that need no process group: each returns a ``Check`` (PASS/WARN/FAIL + a one-line fix).
 
-Kept apart from the orchestration in ``job.doctor`` so each check is a plain function of the config, the
+Kept apart from the orchestration in ``job.doctor.run`` so each check is a plain function of the config, the
 detected environment and a few measured facts (sizes, versions), testable one by one.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from job.config import JobConfig
-from job.env import DistEnv
-from job.exitcodes import BadInput
+from job.launchers.env import DistEnv
+from job.errors import BadInput
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
@@ -196,7 +196,7 @@ def checkpoint_bytes(cfg: JobConfig) -> int:
     The model is built on the meta device: shapes only, no memory, a few ms."""
     import torch
 
-    from job.model import build_model
+    from job.train.model import build_model
 
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.data.num_classes)
@@ -235,8 +235,8 @@ def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) 
 
 
 def check_data(cfg: JobConfig) -> Check:
-    """Path, class folders and count (job.data.validate_data), and one file actually readable."""
-    from job.data import validate_data
+    """Path, class folders and count (job.data.loaders.validate_data), and one file actually readable."""
+    from job.data.loaders import validate_data
 
     try:
         layout = validate_data(cfg.data)

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from job.config import JobConfig
-from job.data import DataStall
-from job.env import DistEnv
+from job.data.loaders import DataStall
+from job.launchers.env import DistEnv
 
 log = logging.getLogger("job")
 

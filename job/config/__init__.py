@@ -1,0 +1,26 @@
+"""The job's configuration: the typed schema (``schema``), how it is loaded (``load``), and the values
+derived from it and the world size (``plan``)."""
+
+from job.config.load import config_to_dict, dump_config, load_config
+from job.config.schema import (
+    CkptConfig,
+    DataConfig,
+    DdpConfig,
+    DistConfig,
+    DoctorConfig,
+    EmaConfig,
+    JobConfig,
+    LogConfig,
+    ModelConfig,
+    ObserveConfig,
+    OptimConfig,
+    RunConfig,
+    SchedConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CkptConfig", "DataConfig", "DdpConfig", "DistConfig", "DoctorConfig", "EmaConfig", "JobConfig", "LogConfig",
+    "ModelConfig", "ObserveConfig", "OptimConfig", "RunConfig", "SchedConfig", "TrainConfig",
+    "config_to_dict", "dump_config", "load_config",
+]
