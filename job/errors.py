@@ -22,3 +22,7 @@ EXIT_PREEMPTED = 143
 class BadInput(Exception):
     """Bad config, environment or data. ``str(err)`` is the whole user-facing message: it names the
     setting or variable, the bad value and the fix. The CLI prints it without a traceback and exits 2."""
+
+
+class NonFiniteError(RuntimeError):
+    """More than ``train.max_nonfinite_skips`` updates were skipped for a non-finite loss or gradient norm."""

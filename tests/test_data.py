@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from types import SimpleNamespace
 import torch
 from PIL import Image
 
@@ -26,6 +27,7 @@ from job.data.loaders import (
     validate_data,
 )
 from job.data.datagen import make_data_main, make_dataset
+from job.checkpoint.resume import map_data_position
 from job.errors import BadInput
 
 CPU = torch.device("cpu")
@@ -202,18 +204,20 @@ def test_set_position_yields_exactly_the_remaining_batches():
 
 
 def test_position_maps_across_world_sizes():
-    two = ResumableSampler(64, 0, 2, 4, seed=0)
-    one = ResumableSampler(64, 0, 1, 8, seed=0)
-    assert one.start_batch_for(two.samples_seen(3)) == 3
-    four = ResumableSampler(64, 0, 4, 4, seed=0)
+    """Position 3 of 2 ranks x 4 = 24 samples = 3 micro-batches of 1 rank x 8; 24 is no row of 4 ranks x 4."""
+    trainer, plan = {"micro_batches_in_epoch": 3, "epoch": 0}, {"world_size": 2, "micro_batch_size": 4, "global_batch_size": 8}
+    assert map_data_position(trainer, plan, 1, 8) == 3
     with pytest.raises(BadInput, match="not a multiple of 16"):
-        four.start_batch_for(two.samples_seen(3))
+        map_data_position(trainer, plan, 4, 4)
 
 
 # ------------------------------------------------------------------------------------ real loaders
 def collect(loaders, epoch, start, count):
+    """(epoch, micro-batch index, images, labels) of ``count`` micro-batches from the position on."""
+    position = SimpleNamespace(epoch=epoch, micro_batches_in_epoch=start)
     out = []
-    for e, k, (x, y) in loaders.iter_train(epoch, start):
+    for x, y in loaders.batches(position):
+        e, k = position.epoch, position.micro_batches_in_epoch - 1
         out.append((e, k, x.clone(), y.clone()))
         if len(out) == count:
             return out

@@ -170,8 +170,8 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     #    Rank 0 sleeps 10 s before step 3's first forward (the straggler aid) and the signal is sent 3 s after
     #    step 2 is logged, so it lands inside micro-batch 1/2 however loaded the machine is (sent at once, it
     #    can land before the step boundary's stop check). A sleep changes no number.
-    a1 = Job(tmp_path, [], [*chain, "--ckpt.every", "0", "--observe.debug-delay-s", "10",
-                            "--observe.debug-delay-rank", "0", "--observe.debug-delay-steps", "3"])
+    a1 = Job(tmp_path, [], [*chain, "--ckpt.every", "0", "--debug.straggler-delay-s", "10",
+                            "--debug.straggler-rank", "0", "--debug.straggler-delay-steps", "3"])
     jobs.append(a1)
     a1.wait_for(rf"\[rank 0/2\] INFO step 2/{STEPS} ")
     a1.wait_for(rf"\[rank 1/2\] INFO step 2/{STEPS} ")  # both ranks are past step 2
@@ -190,7 +190,7 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     # 2. Async saving on; SIGTERM while the background write of step 4 is in flight.
     # The writer waits 5 s before writing, so the signal lands while the write is in flight however fast
     # the (tiny) state is written.
-    a2 = Job(tmp_path, [], [*chain, "--ckpt.every", "4", "--ckpt.async-save", "on", "--ckpt.debug-write-delay-s", "5"])
+    a2 = Job(tmp_path, [], [*chain, "--ckpt.every", "4", "--ckpt.async-save", "on", "--debug.ckpt-write-delay-s", "5"])
     jobs.append(a2)
     a2.wait_for(rf"resumed from .*step-{stop1:07d}")
     a2.wait_for(r"writing checkpoint .*step-0000004 in the background")
@@ -269,8 +269,8 @@ def test_nan_loss_skips_the_update_and_is_never_saved(tmp_path: Path, tiny_data:
     env = base_env(tmp_path)
     procs = [subprocess.Popen([bin_path("ddp-job"), "train", *common, *extra], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for extra in (["--train.inject-nan-at-steps", "[2,3]"],
-                           ["--run.name", "nan-stop", "--train.inject-nan-at-steps", "[2,3]", "--train.max-nonfinite-skips", "1"])]
+             for extra in (["--debug.nan-at-steps", "[2,3]"],
+                           ["--run.name", "nan-stop", "--debug.nan-at-steps", "[2,3]", "--train.max-nonfinite-skips", "1"])]
     (out1, err1), (out2, err2) = (p.communicate(timeout=600) for p in procs)
     r = subprocess.CompletedProcess([], procs[0].returncode, out1, err1)
     assert r.returncode == 0, r.stderr[-3000:]

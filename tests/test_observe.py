@@ -66,7 +66,7 @@ def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path,
     delay = 2.0
     run_dir = tmp_path / "runs" / "slow"
     r = torchrun(2, ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "slow",
-                     "--train.steps", "4", "--log.every", "2", "--observe.debug-delay-s", str(delay), "--observe.debug-delay-rank", "1",
+                     "--train.steps", "4", "--log.every", "2", "--debug.straggler-delay-s", str(delay), "--debug.straggler-rank", "1",
                      "--observe.profile-start", "1", "--observe.profile-steps", "1"], env=base_env(tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "doctor: 0 FAIL" in r.stdout and json.loads((run_dir / "doctor.json").read_text())["world_size"] == 2  # train's quick phase
@@ -96,7 +96,7 @@ def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -
     run_dir = tmp_path / "runs" / "hang"
     r = torchrun(2, ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "hang",
                      "--train.steps", "6", "--log.every", "1", "--doctor.enabled", "false", "--dist.train-timeout-s", "2",
-                     "--observe.debug-delay-s", "12", "--observe.debug-delay-rank", "1", "--observe.debug-delay-steps", "3"],
+                     "--debug.straggler-delay-s", "12", "--debug.straggler-rank", "1", "--debug.straggler-delay-steps", "3"],
                  env=base_env(tmp_path), timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]

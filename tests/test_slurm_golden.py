@@ -23,10 +23,9 @@ GOLDEN = Path(__file__).with_name("golden") / "slurm_train_sbatch.txt"
 STUB_SRUN = r"""#!/bin/bash
 printf '%s\n' "srun $*" >>"$STUB_LOG"
 if [ -n "${STUB_SIGNAL:-}" ]; then          # a preemption signal to the batch shell mid-step
-  kill -s "$STUB_SIGNAL" "$PPID"; sleep 0.3
-  rm -f "$STUB_STOP"                          # as a worker starting late clears a stale STOP
-  sleep 1.5                                   # the shell's re-touch loop must bring it back
-  [ -e "$STUB_STOP" ] && echo "STOP present during the step" >>"$STUB_LOG"
+  kill -s "$STUB_SIGNAL" "$PPID"; sleep 0.5
+  # a stop request (job/launchers/stop.py): the file exists and is empty, not marked honoured
+  [ -e "$STUB_STOP" ] && [ ! -s "$STUB_STOP" ] && echo "STOP requested during the step" >>"$STUB_LOG"
 fi
 exit "${STUB_SRUN_RC:-0}"
 """
@@ -126,7 +125,7 @@ def test_golden_semantics(tmp_path: Path) -> None:
     assert "--rdzv-endpoint=10.9.0.1:24242" in out  # NodeAddr fallback, port from the job id
     assert out.rstrip().endswith("--run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --train.steps 7")
     requeued = _render(tmp_path, "y", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, [])
-    assert "scontrol requeue 4242" in requeued and "STOP present during the step" in requeued
+    assert "scontrol requeue 4242" in requeued and "STOP requested during the step" in requeued
     assert "exit 0" in requeued
     at_cap = _render(tmp_path, "z", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3"}, [])
     assert "scontrol requeue" not in at_cap and "exit 143" in at_cap

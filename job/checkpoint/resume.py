@@ -19,7 +19,7 @@ log = logging.getLogger("job")
 MAY_CHANGE = (
     "run.name", "run.output_dir", "dist.", "data.path", "data.num_workers", "data.prefetch_factor",
     "data.pin_memory", "data.loader_timeout_s", "train.steps", "train.eval_every", "train.stop_signals", "train.max_nonfinite_skips",
-    "train.inject_nan_at_steps", "ckpt.", "log.", "doctor.", "observe.",
+    "ckpt.", "log.", "doctor.", "observe.", "debug.",
     "data.device_prefetch", "ddp.comm_stats",  # copy overlap / a counting hook: same math
 )
 

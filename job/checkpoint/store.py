@@ -230,7 +230,6 @@ class CheckpointManager:
         self.is_main = is_main
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_saved_step: int | None = None
         self._staging = HostStaging() if async_save and is_main else None
 
     def clean_stale_tmp(self) -> None:
@@ -264,7 +263,6 @@ class CheckpointManager:
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
             path = _write_checkpoint(self.run_dir, step, state, meta)
-            self.last_saved_step = step
             log.info("saved checkpoint %s", path)
             self.prune(just_written=path)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by wait()
@@ -286,6 +284,15 @@ class CheckpointManager:
             self._thread.join()
             self._thread = None
         self._raise_pending()
+
+    def close(self) -> None:
+        """On every exit path: let an in-flight write finish (a crash leaves at worst a ``.tmp`` directory that the
+        next start removes, never a checkpoint that verifies half-written); its error is logged, not raised,
+        so it does not hide the error that ended the run."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - reported here; the run is ending anyway
+            log.error("the last checkpoint write failed: %s", e)
 
     def prune(self, just_written: Path | None = None) -> None:
         """Keep the newest ``keep_last`` checkpoints that verify; delete older ones. Broken newer ones do not

@@ -35,9 +35,9 @@ from pydantic_settings import (
 from pydantic_settings.sources.utils import parse_env_vars
 
 from job.errors import BadInput
+from job.launchers.stop import SIGNAL_NAMES, STOP_SIGNALS
 
 _SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 
 
 class RunConfig(BaseModel):
@@ -213,10 +213,8 @@ class TrainConfig(BaseModel):
     """Evaluate every N steps (0: only at the end)."""
     max_nonfinite_skips: int = Field(10, ge=0)
     """Skip updates with a non-finite loss or gradient norm up to this many times, then stop with an error."""
-    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+    stop_signals: tuple[str, ...] = STOP_SIGNALS
     """Signals that request save-and-exit (exit code 143). Remove one to leave it to another handler."""
-    inject_nan_at_steps: tuple[int, ...] = ()
-    """Testing aid: make the loss NaN at these steps (checks the non-finite skip)."""
 
     @field_validator("stop_signals")
     @classmethod
@@ -243,8 +241,6 @@ class CkptConfig(BaseModel):
     """Allow resuming with a different world size (data position is mapped by samples seen)."""
     allow_config_change: bool = False
     """Allow resuming when training-relevant settings differ from the checkpoint's config."""
-    debug_write_delay_s: float = Field(0.0, ge=0)
-    """Testing aid: the checkpoint writer sleeps this long before writing (to land signals during a save)."""
 
 
 class LogConfig(BaseModel):
@@ -317,12 +313,23 @@ class ObserveConfig(BaseModel):
     """Profile the steps after this many completed steps with torch.profiler (0: off); traces in <run_dir>/tb."""
     profile_steps: int = Field(3, ge=1)
     """Number of steps in the profiler window."""
-    debug_delay_s: float = Field(0.0, ge=0)
-    """Testing aid: sleep this long before the forward pass on debug_delay_rank (makes it a straggler)."""
-    debug_delay_rank: int = Field(-1, ge=-1)
-    """Testing aid: the rank that sleeps (-1: none)."""
-    debug_delay_steps: tuple[int, ...] = ()
-    """Testing aid: delay only these (1-based) steps; empty: every step."""
+
+
+class DebugConfig(BaseModel):
+    """TESTING AND DEBUGGING AIDS ONLY: faults injected on purpose (all off by default; nothing here belongs in
+    a production config). Each aid is installed only when set, so the training step pays nothing when off."""
+
+    model_config = _SECTION
+    nan_at_steps: tuple[int, ...] = ()
+    """Make the loss NaN at these (1-based) optimizer steps (exercises the non-finite skip)."""
+    straggler_delay_s: float = Field(0.0, ge=0)
+    """Sleep this long before the forward pass on straggler_rank (makes it a straggler)."""
+    straggler_rank: int = Field(-1, ge=-1)
+    """The rank that sleeps (-1: none)."""
+    straggler_steps: tuple[int, ...] = ()
+    """Delay only these (1-based) steps; empty: every step."""
+    ckpt_write_delay_s: float = Field(0.0, ge=0)
+    """The checkpoint writer sleeps this long before writing (lands signals during a save)."""
 
 
 class JobConfig(BaseSettings):
@@ -366,6 +373,8 @@ class JobConfig(BaseSettings):
     """Preflight checks."""
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     """Observability."""
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+    """Testing and debugging aids (fault injection): leave unset in real runs."""
 
     @property
     def run_dir(self) -> Path:

@@ -245,17 +245,17 @@ class Loaders:
     def batches_per_epoch(self) -> int:
         return self.train_sampler.batches_per_epoch
 
-    def next_position(self, epoch: int, batch: int) -> tuple[int, int]:
-        """Position to save after micro-batch ``batch`` of ``epoch`` was consumed."""
-        return (epoch, batch + 1) if batch + 1 < self.batches_per_epoch else (epoch + 1, 0)
-
-    def iter_train(self, epoch: int = 0, start_batch: int = 0) -> Iterator[tuple[int, int, Batch]]:
-        """Endless (epoch, batch_in_epoch, batch) from the given position on, across epochs."""
+    def batches(self, position: Any) -> Iterator[Batch]:
+        """Endless training micro-batches from ``position`` on (anything with ``epoch`` and
+        ``micro_batches_in_epoch``, e.g. the trainer's state), advancing it as each batch is handed out, so
+        a checkpoint taken at any step boundary holds exactly where the data stands."""
         while True:
-            self.train_sampler.set_position(epoch, start_batch)
-            for k, batch in enumerate(self.train, start=start_batch):
-                yield epoch, k, batch
-            epoch, start_batch = epoch + 1, 0
+            self.train_sampler.set_position(position.epoch, position.micro_batches_in_epoch)
+            for batch in self.train:
+                position.micro_batches_in_epoch += 1
+                yield batch
+            position.epoch += 1
+            position.micro_batches_in_epoch = 0
 
 
 def _check_size(n: int, sampler: ResumableSampler, what: str) -> None:

@@ -15,7 +15,7 @@ per rank, a multiple of ``A``), so an optimizer step never straddles two epochs.
 ``set_position(epoch, start_batch)`` starts the next iteration at micro-batch ``start_batch``: the
 remaining batches are exactly those an uninterrupted run would still see. The position is world-size
 independent as "samples consumed in the epoch" (``start_batch * W * m``), which is how a resume with a
-different world size maps it (`ResumableSampler.start_batch_for`, job.checkpoint.resume.map_data_position).
+different world size maps it (job.checkpoint.resume.map_data_position).
 Pass the trainer's ``grad_accum_steps``: without it an epoch of ``N // (W*m)`` micro-batches can end in
 the middle of an optimizer step, and then W=1 x 2 micro-steps and W=2 x 1 would see different samples.
 
@@ -75,19 +75,6 @@ class ResumableSampler(Sampler):
         rows = self.order(epoch)[: self.batches_per_epoch * self.row].view(-1, self.world_size,
                                                                            self.micro_batch_size)
         return rows[:, self.rank]
-
-    def samples_seen(self, start_batch: int) -> int:
-        """Global samples consumed in an epoch before micro-batch ``start_batch`` (world-size free)."""
-        return start_batch * self.row
-
-    def start_batch_for(self, samples_seen: int) -> int:
-        """Inverse of `samples_seen` for this world size; BadInput when it is not a row boundary."""
-        if samples_seen % self.row:
-            raise BadInput(
-                f"cannot map the saved data position ({samples_seen} samples into the epoch) onto "
-                f"{self.world_size} ranks x micro batch {self.micro_batch_size}: it is not a multiple of "
-                f"{self.row}. Fix: resume with the saved world size and micro batch.")
-        return samples_seen // self.row
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         epoch = self.epoch

@@ -34,7 +34,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,8 +43,9 @@ from typing import Any
 import submitit
 
 from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
+from job.launchers import stop
+from job.launchers.stop import STOP_SIGNALS
 
-DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 class TrainingFailed(RuntimeError):
@@ -90,7 +90,7 @@ def trainer_stop_signals(train_args: Sequence[str], submitit_signal: str) -> lis
                     f"checkpoint-and-requeue; remove it (the submit task turns {submitit_signal} into the STOP file)."
                 )
             return []  # the user's list stands
-    return ["--train.stop-signals", ",".join(s for s in DEFAULT_STOP_SIGNALS if s != submitit_signal)]
+    return ["--train.stop-signals", ",".join(s for s in STOP_SIGNALS if s != submitit_signal)]
 
 
 def run_argv(train_args: Sequence[str], output_dir: Path, name: str, extra: Sequence[str], submitit_signal: str) -> list[str]:
@@ -138,12 +138,15 @@ class TrainTask(submitit.helpers.Checkpointable):
         os.environ["MASTER_ADDR"] = node_address(dist_env.master_addr)
         job_env = submitit.JobEnvironment()
         usr_sig = job_env._usr_sig()  # submitit's preemption signal (USR2 or SUBMITIT_PREEMPT_SIGNAL)
-        chain = _SignalChain(usr_sig, Path(self.run_dir) / "STOP", dist_env.rank, self.preempt_grace_s)
+        run_dir = Path(self.run_dir)
+        if dist_env.rank == 0:
+            stop.begin_attempt(run_dir)  # this task starts a new attempt: an old request must not stop it
+        chain = _SignalChain(usr_sig, run_dir, dist_env.rank, self.preempt_grace_s)
         chain.install()
         try:
             code = train.main(self.argv)
         finally:
-            chain.stop_touching()
+            chain.cancel_deadline()
         if code == EXIT_OK:
             return code
         if code == EXIT_PREEMPTED:
@@ -163,23 +166,28 @@ class TrainTask(submitit.helpers.Checkpointable):
 
 
 class _SignalChain:
-    """Turns submitit's signal into the STOP file and calls submitit's handler after the save."""
+    """Turns submitit's signal into a stop request (job.launchers.stop) and calls submitit's handler after
+    the save. The trainer runs in this process: the request it reads is the run directory's STOP file."""
 
-    def __init__(self, signum: int, stop_file: Path, rank: int, grace_s: int) -> None:
-        self.signum, self.stop_file, self.rank, self.grace_s = signum, stop_file, rank, grace_s
+    def __init__(self, signum: int, run_dir: Path, rank: int, grace_s: int) -> None:
+        self.signum, self.run_dir, self.rank, self.grace_s = signum, run_dir, rank, grace_s
         self.requested = False
         self._submitit_handler: Any = None
-        self._done = threading.Event()
 
     def install(self) -> None:
         self._submitit_handler = signal.getsignal(self.signum)
         signal.signal(self.signum, self._on_signal)
-        threading.Thread(target=self._retouch, name="stop-file", daemon=True).start()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        print(f"submit task rank {self.rank}: got {signal_name(signum)}: asking training to save via {self.stop_file}", flush=True)
+        # The one exception to "handlers only set a flag": the flag other ranks and nodes must see is a
+        # file. One small write, no locks; the trainer acts on it at its next step boundary.
         self.requested = True
-        self._touch()
+        try:
+            stop.request(self.run_dir)
+        except OSError as err:
+            print(f"submit task: cannot write {stop.stop_file(self.run_dir)}: {err}", file=sys.stderr, flush=True)
+        print(f"submit task rank {self.rank}: got {signal_name(signum)}: asked training to save via "
+              f"{stop.stop_file(self.run_dir)}", flush=True)
         if self.rank == 0 and self.grace_s > 0:
             signal.signal(signal.SIGALRM, self._on_deadline)
             signal.alarm(self.grace_s)
@@ -188,21 +196,7 @@ class _SignalChain:
         print(f"submit task: training did not stop within {self.grace_s} s: requeueing now", flush=True)
         self.call_submitit(self.signum)
 
-    def _touch(self) -> None:
-        try:
-            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
-            self.stop_file.touch()
-        except OSError as err:
-            print(f"submit task: cannot touch {self.stop_file}: {err}", file=sys.stderr, flush=True)
-
-    def _retouch(self) -> None:
-        # Rank 0 removes a stale STOP when training starts: a signal that arrived earlier must survive.
-        while not self._done.wait(1.0):
-            if self.requested:
-                self._touch()
-
-    def stop_touching(self) -> None:
-        self._done.set()
+    def cancel_deadline(self) -> None:
         signal.alarm(0)
 
     def call_submitit(self, signum: int) -> None:

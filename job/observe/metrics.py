@@ -125,3 +125,61 @@ class StepTimer:
             "perf/samples_per_s": global_batch_size / step_s if step_s > 0 else 0.0,
             "perf/data_wait_frac": self.data_s / self.total_s if self.total_s > 0 else 0.0,
         }
+
+
+class TrainLog:
+    """The training log's cadence: TensorBoard scalars and ONE console line every ``every`` steps and at the
+    last step. The line carries the cross-rank facts of the observer when it published at the same step,
+    and names the slowest rank when it stands out (busy ``STRAGGLER_RATIO`` x the median or more)."""
+
+    STRAGGLER_RATIO = 1.2
+
+    def __init__(self, every: int, total_steps: int, global_batch_size: int, device: torch.device, writer: NullWriter,
+                 observer: Any, progress: Any = None) -> None:
+        self.every, self.total_steps, self.global_batch_size = every, total_steps, global_batch_size
+        self.device, self.writer, self.observer, self.progress = device, writer, observer, progress
+        self.timer = StepTimer()
+        self.loss_sum = torch.zeros((), device=device)
+
+    def before_step(self) -> None:
+        self.timer.start_step()
+
+    def after_step(self, step: int, out: Any, lr: float) -> None:
+        """After optimizer step ``step`` on every rank; ``out`` is the step's ``StepOutput``."""
+        self.timer.add_data_wait(out.data_wait_s)
+        self.timer.end_step()
+        cross_rank = self.observer.step_done(step, self.timer)  # straggler/throughput/memory, profiler, progress file
+        if out.finite:
+            self.loss_sum += out.loss
+        if self.progress is not None:
+            self.progress.update(1)
+        if step % self.every == 0 or step == self.total_steps:
+            self._emit(step, out, lr, cross_rank)
+
+    def _emit(self, step: int, out: Any, lr: float, cross_rank: dict[str, float] | None) -> None:
+        scalars = {
+            "train/loss": self.loss_sum.item() / max(self.timer.steps, 1),
+            "train/lr": lr,
+            "train/grad_norm": float(out.grad_norm),
+            "perf/peak_memory_mb": peak_memory_mb(self.device),
+            **self.timer.summary(self.global_batch_size),
+        }
+        self.writer.scalars(step, scalars)
+        line = (f"step {step}/{self.total_steps} loss {scalars['train/loss']:.4f} lr {lr:.4g} "
+                f"{scalars['perf/samples_per_s']:.1f} samples/s data-wait {100 * scalars['perf/data_wait_frac']:.1f}%")
+        log.info(line + _cross_rank_facts(cross_rank, self.STRAGGLER_RATIO))
+        self.loss_sum.zero_()
+        self.timer.reset()
+
+
+def _cross_rank_facts(s: dict[str, float] | None, ratio: float) -> str:
+    """What the observer adds to the line: per-device throughput and MFU; the slowest rank if it stands out."""
+    if not s:
+        return ""
+    text = f", {s['perf/samples_per_s_per_device']:.1f} samples/s/device"
+    if "perf/mfu" in s:
+        text += f", MFU {s['perf/mfu']:.1%}"
+    if s["straggler/busy_s_max"] >= ratio * s["straggler/busy_s_median"] > 0:
+        text += (f"; straggler: rank {int(s['straggler/slowest_rank'])} busy {s['straggler/busy_s_max']:.3f} s "
+                 f"(median {s['straggler/busy_s_median']:.3f} s)")
+    return text

@@ -124,7 +124,6 @@ class Observer:
         self.next_step = start_step + 1
         self._last_end = time.perf_counter()
         self._grads_t: float | None = None
-        self._delayed = False
         self._seen_data = 0.0
         self._window = [0.0, 0.0, 0.0, 0]  # step_s, busy_s, data_s, steps
         self._prof: Any = None
@@ -137,9 +136,6 @@ class Observer:
         self._write_progress(start_step, -1)
         first = next(p for p in model.parameters() if p.requires_grad)
         first.register_post_accumulate_grad_hook(self._grads_ready)
-        o = cfg.observe
-        if o.debug_delay_s > 0 and o.debug_delay_rank == env.rank:
-            model.register_forward_pre_hook(self._delay)
         if env.is_main:
             log.info("observe: %.3g GFLOP per training sample, peak %s TFLOP/s per device, stats every %d steps",
                      self.flops / 1e9, self.peak_tflops or "unknown (no MFU)", self.every)
@@ -149,18 +145,13 @@ class Observer:
         self._grads_t = time.perf_counter()
         self._write_progress(self.next_step - 1, self.next_step)
 
-    def _delay(self, module: nn.Module, _args: Any) -> None:
-        steps = self.cfg.observe.debug_delay_steps
-        if module.training and not self._delayed and (not steps or self.next_step in steps):
-            self._delayed = True
-            time.sleep(self.cfg.observe.debug_delay_s)
-
     def _write_progress(self, done: int, grads: int) -> None:
         line = f"done={done} grads={grads} t={time.time():.3f}\n".ljust(64)
         os.pwrite(self._fd, line.encode(), 0)
 
     # --- per step ---
-    def step_done(self, step: int, timer: Any) -> None:
+    def step_done(self, step: int, timer: Any) -> dict[str, float] | None:
+        """After optimizer step ``step`` (every rank); on the steps it publishes, rank 0 gets the statistics."""
         now = time.perf_counter()
         busy = (self._grads_t or now) - self._last_end
         w = self._window
@@ -170,14 +161,16 @@ class Observer:
         w[2] += timer.data_s if timer.steps == 1 else timer.data_s - self._seen_data
         w[3] += 1
         self._seen_data = timer.data_s
-        self._last_end, self._grads_t, self._delayed = now, None, False
+        self._last_end, self._grads_t = now, None
         self.next_step = step + 1
         self._write_progress(step, -1)
         self._profile(step)
         if step % self.every == 0:
-            self._publish(step)
+            return self._publish(step)
+        return None
 
-    def _publish(self, step: int) -> None:
+    def _publish(self, step: int) -> dict[str, float] | None:
+        """Gather every rank's window; rank 0 writes the cross-rank statistics and returns them."""
         step_s, busy_s, data_s, n = self._window
         n = max(n, 1)
         mem = memory_mb(self.device)
@@ -187,13 +180,10 @@ class Observer:
         rows = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, t, group=self.group)
         if not self.env.is_main:
-            return
+            return None
         scalars = summarize([r.tolist() for r in rows], self.global_batch, self.flops, self.peak_tflops)
         self.writer.scalars(step, scalars)
-        log.info("step %d: slowest rank %d busy %.3f s (median %.3f s), %.1f samples/s, %.1f samples/s/device%s",
-                 step, int(scalars["straggler/slowest_rank"]), scalars["straggler/busy_s_max"], scalars["straggler/busy_s_median"],
-                 scalars["perf/samples_per_s_global"], scalars["perf/samples_per_s_per_device"],
-                 f", MFU {scalars['perf/mfu']:.1%}" if "perf/mfu" in scalars else "")
+        return scalars
 
     def _profile(self, step: int) -> None:
         o = self.cfg.observe

@@ -8,7 +8,8 @@ to stop, both checked at every step boundary:
   SIGUSR1/SIGUSR2 to torchrun's ``--signals-to-handle`` (job.launchers.torchrun.with_stop_signals), so a USR1/USR2
   sent to the agent only (Slurm ``--signal=B:...``) reaches every worker too;
 * the stop file ``<run_dir>/STOP``, for launchers that can only run a shell command (slurm/train.sbatch
-  traps USR1/USR2 and touches it; works with plain torchrun and across nodes on a shared filesystem).
+  traps USR1/USR2 and writes it; works with plain torchrun and across nodes on a shared filesystem). Its
+  protocol (who creates and removes it, and when) is ``job.launchers.stop``.
 
 The agent delivers signals with killpg to each rank's process group, which holds the rank's DataLoader
 workers: they ignore the stop signals (``ignore_stop_signals``), otherwise their death makes the
@@ -30,16 +31,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
-log = logging.getLogger("job")
+from job.errors import EXIT_PREEMPTED
+from job.launchers import stop
+from job.launchers.stop import STOP_SIGNALS
 
-STOP_FILE = "STOP"
+log = logging.getLogger("job")
 
 
 class StopRequest:
     """Set by signal handlers or the stop file; read by the loop at step boundaries."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.stop_file = run_dir / STOP_FILE
+        self.run_dir = run_dir
+        self.stop_file = stop.stop_file(run_dir)
         self.signal_name: str | None = None
         self.signals_received = 0
         self.where = "start-up"
@@ -70,9 +74,18 @@ class StopRequest:
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()
 
-    def clear_stale_file(self) -> None:
-        """A STOP file from a previous (preempted) attempt must not stop the resumed run at once."""
-        self.stop_file.unlink(missing_ok=True)
+    def discard_honoured(self) -> None:
+        """Rank 0 of a fresh start: a request the previous attempt honoured must not stop this one; a
+        request not yet honoured stays (it arrived during start-up) and stops the run at the first boundary."""
+        if stop.discard_honoured(self.run_dir):
+            log.info("removed %s: a stop request the previous attempt honoured", self.stop_file)
+        elif self.stop_file.exists():
+            log.warning("%s exists: a stop request made before training started; this run saves and exits "
+                        "%d after its first step (delete the file to train on)", self.stop_file, EXIT_PREEMPTED)
+
+    def honoured(self, step: int) -> None:
+        """Rank 0, once the stop checkpoint of ``step`` is on disk."""
+        stop.mark_honoured(self.run_dir, step)
 
     def local(self) -> bool:
         return self.signal_name is not None or self.stop_file.exists()
@@ -91,5 +104,5 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     signal: Terminated") in the trainer before it reaches the step boundary and saves. Workers still
     exit with their trainer (DataLoader's parent watchdog) and on SIGKILL.
     """
-    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
+    for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)

@@ -1,0 +1,77 @@
+"""The stop protocol that the trainer and every launcher share: which signals ask a run to stop, and the
+run directory's STOP file for launchers that can only run a shell command (or a person with ``touch``).
+
+A stop request, however it arrives, makes every rank stop after the same step, save, and exit 143
+(``job.train.preempt`` turns signals into a flag; the loop checks both at each step boundary).
+
+``<run_dir>/STOP`` has three states::
+
+    absent ──request()──> requested ──(trainer saves at the next step boundary)──> honoured
+       ^                      │                                                        │
+       └── begin_attempt() ───┴──── (a launcher starting a new attempt) ───────────────┘
+       └── discard_honoured() ─────────────────────── (a trainer starting afresh) ─────┘
+
+* ``request`` creates the file, empty. Anyone may call it: ``slurm/train.sbatch``'s USR1/USR2 trap (as a
+  shell ``: > STOP``), the submit task on submitit's signal, a person.
+* The trainer stops when the file exists, and after the checkpoint is on disk rank 0 writes the honoured
+  mark into it (``mark_honoured``). Nothing ever re-touches the file.
+* A trainer starting afresh removes only an honoured file, a finished request from the previous attempt. It
+  keeps a requested one: that request arrived while the job was starting (the signal won the race against
+  the trainer's start-up), and it is honoured at the first step boundary.
+* A worker group that torchrun restarted (``--max-restarts``) and that finds the file in any state exits
+  143 at once without training: its node is being drained.
+* A launcher that starts a new attempt of a job (the sbatch script, the submit task) removes the file in
+  any state first (``begin_attempt``), so a request left by an attempt that was killed before it could
+  honour it does not stop the new one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+STOP_FILE = "STOP"
+HONOURED = "honoured"
+"""The first word that ``mark_honoured`` writes into the file; ``slurm/train.sbatch`` never writes it."""
+
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+"""The default ``train.stop_signals``: what launchers send to ask for save-and-exit (Slurm's ``--signal``,
+submitit: USR1/USR2; Kubernetes, ``scancel``, torchrun: TERM; a terminal: INT). DataLoader workers ignore
+them (their trainer handles them)."""
+
+SIGNAL_NAMES = (*STOP_SIGNALS, "SIGHUP", "SIGQUIT")
+"""Every signal ``train.stop_signals`` may list: the defaults plus the rest of what torchrun forwards."""
+
+
+def stop_file(run_dir: Path) -> Path:
+    return run_dir / STOP_FILE
+
+
+def request(run_dir: Path) -> None:
+    """Ask the run in ``run_dir`` to stop at its next step boundary (creates the directory if needed)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop_file(run_dir).write_text("")
+
+
+def is_honoured(run_dir: Path) -> bool:
+    try:
+        return stop_file(run_dir).read_text().startswith(HONOURED)
+    except OSError:
+        return False
+
+
+def mark_honoured(run_dir: Path, step: int) -> None:
+    """Rank 0, after the stop checkpoint of ``step`` is on disk: the request is done."""
+    stop_file(run_dir).write_text(f"{HONOURED} step={step}\n")
+
+
+def discard_honoured(run_dir: Path) -> bool:
+    """A trainer starting afresh: remove the file if it is an honoured request; True if it did."""
+    if is_honoured(run_dir):
+        stop_file(run_dir).unlink(missing_ok=True)
+        return True
+    return False
+
+
+def begin_attempt(run_dir: Path) -> None:
+    """A launcher starting a new attempt of a job: no request of an earlier attempt may stop this one."""
+    stop_file(run_dir).unlink(missing_ok=True)

@@ -1,0 +1,56 @@
+"""Testing and debugging aids (the ``debug`` config section): faults injected on purpose.
+
+Each aid is installed only when its setting is on, by wrapping or hooking a part once at start-up, so the
+training step has no test-only branch and pays nothing when they are off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from job.config.schema import DebugConfig
+
+log = logging.getLogger("job")
+
+
+class NanLossAt(nn.Module):
+    """The loss, made NaN at the given (1-based) optimizer steps: exercises the non-finite skip."""
+
+    def __init__(self, criterion: nn.Module, steps: tuple[int, ...], state: Any) -> None:
+        super().__init__()
+        self.criterion, self.steps, self.state = criterion, frozenset(steps), state
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.criterion(logits, labels)
+        if self.state.step + 1 in self.steps:
+            loss = loss * float("nan")
+        return loss
+
+
+class Straggler:
+    """Sleeps before the first forward of the chosen steps on one rank: makes that rank a straggler."""
+
+    def __init__(self, cfg: DebugConfig, state: Any) -> None:
+        self.delay_s, self.steps, self.state = cfg.straggler_delay_s, frozenset(cfg.straggler_steps), state
+        self._delayed_step = -1
+
+    def __call__(self, module: nn.Module, _args: Any) -> None:
+        step = self.state.step + 1
+        if module.training and step != self._delayed_step and (not self.steps or step in self.steps):
+            self._delayed_step = step
+            time.sleep(self.delay_s)
+
+
+def install(cfg: DebugConfig, rank: int, parts: Any, state: Any) -> None:
+    """Install the aids that ``cfg`` switches on into ``parts`` (the run's ``Parts``)."""
+    if cfg.nan_at_steps:
+        log.warning("debug.nan_at_steps=%s: the loss is made NaN at these steps", list(cfg.nan_at_steps))
+        parts.criterion = NanLossAt(parts.criterion, cfg.nan_at_steps, state)
+    if cfg.straggler_delay_s > 0 and cfg.straggler_rank == rank:
+        log.warning("debug.straggler_delay_s=%s: this rank sleeps before its forward pass", cfg.straggler_delay_s)
+        parts.raw_model.register_forward_pre_hook(Straggler(cfg, state))

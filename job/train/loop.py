@@ -1,0 +1,97 @@
+"""The training loop: a step, then each component at its own cadence, then the stop check at the boundary."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from job.checkpoint.checkpointer import Checkpointer
+from job.config import JobConfig
+from job.config.plan import Plan
+from job.errors import EXIT_OK, EXIT_PREEMPTED
+from job.launchers.env import DistEnv
+from job.observe.metrics import NullWriter, TrainLog, flatten
+from job.config import config_to_dict
+from job.parallel import ddp, distributed
+from job.train.evaluate import Evaluator
+from job.train.parts import Parts
+from job.train.preempt import StopRequest
+from job.train.step import TrainState, train_step
+
+log = logging.getLogger("job")
+
+
+@dataclass
+class Run:
+    """Everything the loop touches; built by ``job.train.run``."""
+
+    cfg: JobConfig
+    env: DistEnv
+    plan: Plan
+    rt: distributed.Runtime
+    parts: Parts
+    state: TrainState
+    batches: Iterator[Any]
+    stop: StopRequest
+    checkpointer: Checkpointer
+    evaluator: Evaluator
+    log: TrainLog
+    writer: NullWriter
+
+
+def train_loop(run: Run) -> int:
+    """Train to ``plan.total_steps`` or to a stop request; returns the exit code (0, or 143 after saving)."""
+    state, plan, parts = run.state, run.plan, run.parts
+    first_step = state.step + 1
+    while state.step < plan.total_steps:
+        run.log.before_step()
+        out = train_step(parts, run.batches, plan, state, run.cfg.train, run.stop)
+        if state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
+            distributed.set_train_timeout(run.rt, run.cfg.dist.train_timeout_s)
+        run.log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+        run.evaluator.after_step(state.step)
+        if stop_agreed(run):
+            return preempted(run)
+        run.checkpointer.after_step(state.step)
+    return finish(run)
+
+
+def stop_agreed(run: Run) -> bool:
+    """At the step boundary, on every rank: stop if any rank was asked to (the same step everywhere)."""
+    run.stop.where = f"the boundary after step {run.state.step}"
+    return distributed.all_reduce_max_flag(run.stop.local(), run.rt)
+
+
+def preempted(run: Run) -> int:
+    step = run.state.step
+    log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
+    run.checkpointer.save(step)
+    # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
+    # nobody exits before rank 0's checkpoint is on disk.
+    run.checkpointer.manager.wait()
+    if run.env.is_main:
+        run.stop.honoured(step)
+    distributed.barrier(run.rt)
+    return EXIT_PREEMPTED
+
+
+def finish(run: Run) -> int:
+    """The end of a completed run: final evaluation, the last checkpoint, the FINAL line."""
+    step, is_main = run.state.step, run.env.is_main
+    results = run.evaluator.results()
+    if is_main and "ema/val/top1" in results:
+        log.info("EMA val_top1=%.4f val_loss=%.4f", results["ema/val/top1"], results["ema/val/loss"])
+    run.writer.scalars(step, results)
+    comm = ddp.comm_summary(run.parts.model, run.plan.grad_accum_steps)
+    if comm and is_main:
+        log.info(comm)
+    run.checkpointer.finish(step)
+    run.writer.hparams(flatten(config_to_dict(run.cfg)), {"hparam/" + k: v for k, v in results.items()})
+    if is_main:
+        run_dir = run.cfg.run_dir
+        print(f"FINAL step={step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
+              f"val_loss={results['val/loss']:.4f} val_count={int(results['val/count'])} run_dir={run_dir} "
+              f"tensorboard={run_dir / 'tb'}", flush=True)
+    return EXIT_OK

@@ -1,0 +1,120 @@
+"""One optimizer step: ``grad_accum_steps`` micro-batches, gradients all-reduced once, the non-finite guard,
+the update. A plain function of the run's parts: a test calls it in-process at world size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from job.config import TrainConfig
+from job.config.plan import Plan
+from job.data.loaders import to_device
+from job.errors import NonFiniteError
+from job.train.parts import Parts
+
+log = logging.getLogger("job")
+
+
+@dataclass
+class TrainState:
+    """What the loop advances; saved in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    micro_batches_in_epoch: int = 0
+    """Micro-batches this rank consumed in ``epoch``: resume continues at exactly the next sample."""
+    samples_seen: int = 0
+    nonfinite_skips: int = 0
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor
+    """Sum over the micro-batches of (loss / grad_accum_steps): this rank's mean loss of the step (on device)."""
+    grad_norm: torch.Tensor
+    """Global gradient norm after the all-reduce (before clipping)."""
+    finite: bool
+    """Whether loss and gradient norm were finite (identical on every rank)."""
+    data_wait_s: float
+    """Seconds this rank waited for its micro-batches."""
+
+
+class Where(Protocol):
+    """Where the step is, for a stop signal's report (``StopRequest`` is one); a cheap attribute write."""
+
+    where: str
+
+
+class _Nowhere:
+    where = ""
+
+
+def train_step(parts: Parts, batches: Iterator[Any], plan: Plan, state: TrainState, cfg: TrainConfig,
+               where: Where | None = None) -> StepOutput:
+    """Run optimizer step ``state.step + 1`` and advance ``state``.
+
+    Raises:
+        NonFiniteError: more than ``cfg.max_nonfinite_skips`` updates were skipped for non-finite values.
+    """
+    where = where or _Nowhere()
+    parts.model.train()
+    step_loss = torch.zeros((), device=parts.device)
+    data_wait = 0.0
+    last = plan.grad_accum_steps - 1
+    for micro in range(plan.grad_accum_steps):
+        where.where = f"step {state.step + 1} micro-batch {micro + 1}/{plan.grad_accum_steps}"
+        t0 = time.perf_counter()
+        images, labels = to_device(next(batches), parts.device, parts.channels_last)
+        data_wait += time.perf_counter() - t0
+        # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
+        sync = contextlib.nullcontext() if micro == last else parts.model.no_sync()
+        with sync:
+            with parts.autocast:
+                loss = parts.criterion(parts.train_model(images), labels) / plan.grad_accum_steps
+            parts.scaler.scale(loss).backward()
+        step_loss += loss.detach()
+    grad_norm = _unscale_and_norm(parts, cfg.grad_clip_norm)
+    # One host sync per step: every rank holds the same all-reduced gradients, so all decide alike.
+    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
+    _update(parts, state, cfg, finite)
+    state.step += 1
+    state.samples_seen += plan.global_batch_size
+    where.where = f"the bookkeeping after step {state.step}"
+    if parts.ema is not None:
+        parts.ema.update(parts.raw_model, state.step)
+    return StepOutput(step_loss, grad_norm, finite, data_wait)
+
+
+def _unscale_and_norm(parts: Parts, clip_norm: float) -> torch.Tensor:
+    parts.scaler.unscale_(parts.optimizer)
+    params = parts.raw_model.parameters()
+    if clip_norm > 0:
+        return nn.utils.clip_grad_norm_(params, clip_norm, foreach=True)
+    # The norm alone (logged, finite check): clip_grad_norm_ with inf would also rescale every gradient by 1.
+    return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+
+
+def _update(parts: Parts, state: TrainState, cfg: TrainConfig, finite: bool) -> None:
+    if finite or parts.scaler.is_enabled():
+        parts.scaler.step(parts.optimizer)  # with fp16 the scaler itself skips non-finite steps
+    else:
+        state.nonfinite_skips += 1
+        log.warning("step %d: non-finite loss or gradient norm; update skipped (%d/%d)",
+                    state.step + 1, state.nonfinite_skips, cfg.max_nonfinite_skips)
+        if state.nonfinite_skips > cfg.max_nonfinite_skips:
+            raise NonFiniteError(
+                f"step {state.step + 1}: more than train.max_nonfinite_skips={cfg.max_nonfinite_skips} "
+                f"updates skipped for non-finite loss/gradients. Fix: lower optim.lr, enable train.grad_clip_norm, "
+                f"or check the data. The newest checkpoint holds only finite values."
+            )
+    parts.scaler.update()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.scheduler.step()
