@@ -234,8 +234,12 @@ def test_resume_mid_epoch_with_persistent_workers_matches_uninterrupted(shapes):
     assert ref.batches_per_epoch == 6 and ref.train.loader.persistent_workers
     uninterrupted = collect(ref, 0, 0, 15)  # epochs 0, 1 and half of 2
     assert [(e, k) for e, k, *_ in uninterrupted][5:8] == [(0, 5), (1, 0), (1, 1)]
-    # a "restarted process": fresh loaders, position (1, 2) = what next_position gives after (1, 1)
-    assert ref.next_position(1, 1) == (1, 2) and ref.next_position(0, 5) == (1, 0)
+    # a "restarted process": fresh loaders at the position the trainer saves after 8 micro-batches, (1, 2)
+    position = SimpleNamespace(epoch=0, micro_batches_in_epoch=0)
+    batches = ref.batches(position)
+    for _ in range(8):
+        next(batches)
+    assert (position.epoch, position.micro_batches_in_epoch) == (1, 2)
     resumed = build_loaders(cfg, 1, 2, 4, seed=5, device=CPU)
     assert same(collect(resumed, 1, 2, 7), uninterrupted[8:15])
     # and the same loader object (persistent workers reused) repositioned after a partial epoch

@@ -171,7 +171,7 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     #    step 2 is logged, so it lands inside micro-batch 1/2 however loaded the machine is (sent at once, it
     #    can land before the step boundary's stop check). A sleep changes no number.
     a1 = Job(tmp_path, [], [*chain, "--ckpt.every", "0", "--debug.straggler-delay-s", "10",
-                            "--debug.straggler-rank", "0", "--debug.straggler-delay-steps", "3"])
+                            "--debug.straggler-rank", "0", "--debug.straggler-steps", "3"])
     jobs.append(a1)
     a1.wait_for(rf"\[rank 0/2\] INFO step 2/{STEPS} ")
     a1.wait_for(rf"\[rank 1/2\] INFO step 2/{STEPS} ")  # both ranks are past step 2

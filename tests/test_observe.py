@@ -96,7 +96,7 @@ def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -
     run_dir = tmp_path / "runs" / "hang"
     r = torchrun(2, ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "hang",
                      "--train.steps", "6", "--log.every", "1", "--doctor.enabled", "false", "--dist.train-timeout-s", "2",
-                     "--debug.straggler-delay-s", "12", "--debug.straggler-rank", "1", "--debug.straggler-delay-steps", "3"],
+                     "--debug.straggler-delay-s", "12", "--debug.straggler-rank", "1", "--debug.straggler-steps", "3"],
                  env=base_env(tmp_path), timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]

@@ -89,7 +89,7 @@ def slow_steps(seconds: float, first: int = 3) -> list[str]:
     """Rank 0 sleeps before these steps (a testing aid that does not change the math; resume ignores it):
     runway so a signal sent after the first checkpoint lands mid-run however fast the machine is."""
     steps = ",".join(str(s) for s in range(first, STEPS + 1))
-    return ["--debug.straggler-delay-s", str(seconds), "--debug.straggler-rank", "0", "--debug.straggler-delay-steps", steps]
+    return ["--debug.straggler-delay-s", str(seconds), "--debug.straggler-rank", "0", "--debug.straggler-steps", steps]
 
 
 # ------------------------------------------------------------------ Slurm helpers

@@ -38,7 +38,7 @@ class Ema:
     def state_dict(self) -> dict[str, Any]:
         return self.averaged.state_dict()  # module.* tensors + n_averaged
 
-    def load(self, saved: dict[str, Any] | None) -> None:
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         if saved is None:
             # A run that enabled EMA on resume (allowed with ckpt.allow_config_change): start from the weights.
             log.warning("checkpoint has no EMA state: the EMA starts from the resumed weights")
