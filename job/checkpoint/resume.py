@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from job.config import JobConfig, config_to_dict
+from job.config import JobConfig, config_to_dict, flatten
 from job.errors import BadInput
 
 log = logging.getLogger("job")
@@ -49,18 +49,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_differences(saved: dict[str, Any], current: JobConfig) -> list[str]:
-    a, b = _flat(saved), _flat(config_to_dict(current))
+    a, b = flatten(saved), flatten(config_to_dict(current))
     keys = sorted(set(a) | set(b))
     return [f"{k}: checkpoint {a.get(k)!r} -> now {b.get(k)!r}" for k in keys
             if a.get(k) != b.get(k) and not k.startswith(MAY_CHANGE)]

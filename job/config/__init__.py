@@ -1,7 +1,7 @@
 """The job's configuration: the typed schema (``schema``), how it is loaded (``load``), and the values
 derived from it and the world size (``plan``)."""
 
-from job.config.load import config_to_dict, dump_config, load_config
+from job.config.load import config_to_dict, dump_config, flatten, load_config
 from job.config.schema import (
     CkptConfig,
     DataConfig,
@@ -22,5 +22,5 @@ from job.config.schema import (
 __all__ = [
     "CkptConfig", "DataConfig", "DdpConfig", "DistConfig", "DoctorConfig", "EmaConfig", "JobConfig", "LogConfig",
     "ModelConfig", "ObserveConfig", "OptimConfig", "RunConfig", "SchedConfig", "TrainConfig",
-    "config_to_dict", "dump_config", "load_config",
+    "config_to_dict", "dump_config", "flatten", "load_config",
 ]

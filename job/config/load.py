@@ -134,3 +134,14 @@ def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
 def dump_config(cfg: JobConfig) -> str:
     """The resolved config as YAML (what ``ddp-job config show`` prints and the run directory keeps)."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}``: the dotted names used in messages, reports and TensorBoard."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from job.parallel import distributed
 from job.doctor import checks as dc
-from job.config import JobConfig, config_to_dict, load_config
+from job.config import JobConfig, config_to_dict, flatten, load_config
 from job.doctor.checks import FAIL, ORDER, PASS, WARN, Check
 from job.launchers.env import DistEnv, detect_env
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput
@@ -43,13 +43,6 @@ from job.config.plan import make_plan
 
 class DoctorFailed(RuntimeError):
     """A rendezvous/communication FAIL in train's doctor phase: exit 1, a restart may help."""
-
-
-def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, Mapping) else {f"{prefix}{k}": v})
-    return out
 
 
 def config_hash(flat: Mapping[str, Any]) -> str:
@@ -101,7 +94,7 @@ def local_checks(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str,
 
 
 def _facts(cfg: JobConfig, env: DistEnv, checks: list[Check], vers: dict[str, str]) -> dict[str, Any]:
-    flat = _flat(config_to_dict(cfg))
+    flat = flatten(config_to_dict(cfg))
     return {"rank": env.rank, "env": asdict(env), "host": socket.gethostname(), "pid": os.getpid(),
             "config_hash": config_hash(flat), "config": flat, "versions": vers, "checks": [asdict(c) for c in checks]}
 

@@ -7,12 +7,16 @@ rank (torchtitan's pattern). Console lines carry a ``[rank r/w]`` prefix.
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from job.config import flatten
 
 log = logging.getLogger("job")
 
@@ -73,26 +77,32 @@ def build_writer(enabled: bool, is_main: bool, run_dir: Path) -> NullWriter:
     return TensorBoardWriter(run_dir / "tb") if enabled and is_main else NullWriter()
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+def hparams(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as TensorBoard hparams: dotted names, values TensorBoard can show (others as text)."""
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flatten(config).items()}
+
+
+def memory_mb(device: torch.device) -> dict[str, float]:
+    """This process's memory: resident and peak resident set, and on CUDA the allocator's peaks (MiB)."""
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        rss = peak_rss
+    out = {"rss_mb": rss, "peak_rss_mb": peak_rss, "peak_alloc_mb": 0.0, "peak_reserved_mb": 0.0}
+    if device.type == "cuda":
+        out["peak_alloc_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
     return out
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """The one number the training log shows: the allocator's peak on CUDA, the peak resident set on CPU."""
+    mem = memory_mb(device)
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    except ImportError:
-        return 0.0
+        return mem["peak_alloc_mb"]
+    return mem["peak_rss_mb"]
 
 
 class StepTimer:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from job.config import JobConfig
+from job.observe.metrics import memory_mb
 from job.data.loaders import DataStall
 from job.launchers.env import DistEnv
 
@@ -67,20 +68,6 @@ def train_flops_per_sample(model: nn.Module, image_size: int, device: torch.devi
     finally:
         model.train(was_training)
     return 3.0 * counter.get_total_flops()
-
-
-def memory_mb(device: torch.device) -> dict[str, float]:
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        rss = peak_rss
-    out = {"rss_mb": rss, "peak_rss_mb": peak_rss, "peak_alloc_mb": 0.0, "peak_reserved_mb": 0.0}
-    if device.type == "cuda":
-        out["peak_alloc_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        out["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
-    return out
 
 
 def summarize(rows: list[list[float]], global_batch: int, flops_per_sample: float, peak_tflops: float) -> dict[str, float]:

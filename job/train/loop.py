@@ -12,7 +12,7 @@ from job.config import JobConfig
 from job.config.plan import Plan
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 from job.launchers.env import DistEnv
-from job.observe.metrics import NullWriter, TrainLog, flatten
+from job.observe.metrics import NullWriter, TrainLog, hparams
 from job.config import config_to_dict
 from job.parallel import ddp, distributed
 from job.train.evaluate import Evaluator
@@ -88,7 +88,7 @@ def finish(run: Run) -> int:
     if comm and is_main:
         log.info(comm)
     run.checkpointer.finish(step)
-    run.writer.hparams(flatten(config_to_dict(run.cfg)), {"hparam/" + k: v for k, v in results.items()})
+    run.writer.hparams(hparams(config_to_dict(run.cfg)), {"hparam/" + k: v for k, v in results.items()})
     if is_main:
         run_dir = run.cfg.run_dir
         print(f"FINAL step={step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
