@@ -374,7 +374,7 @@ class JobConfig(BaseSettings):
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     """Observability."""
     debug: DebugConfig = Field(default_factory=DebugConfig)
-    """Testing and debugging aids (fault injection): leave unset in real runs."""
+    """TESTING AND DEBUGGING AIDS ONLY (faults injected on purpose): never set them in a real run."""
 
     @property
     def run_dir(self) -> Path:
