@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ MAY_CHANGE = (
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This rank's RNG states in types that ``torch.load(weights_only=True)`` accepts."""
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     py_version, py_state, py_gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

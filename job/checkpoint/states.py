@@ -74,8 +74,8 @@ class Layout:
     """The world size and batch plan a checkpoint was written with; later entries read ``saved``."""
 
     def __init__(self, world_size: int, plan: Plan) -> None:
-        self.current = {"world_size": world_size, "plan": asdict(plan)}
-        self.saved = self.current
+        self.current: dict[str, Any] = {"world_size": world_size, "plan": asdict(plan)}
+        self.saved: dict[str, Any] = self.current
 
     def state_dict(self) -> dict[str, Any]:
         return self.current

@@ -60,7 +60,7 @@ def class_spec(c: int) -> tuple[str, str]:
     return SHAPES[c % len(SHAPES)], list(COLOURS)[c % len(COLOURS)]
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill) -> None:
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill: tuple[int, ...]) -> None:
     if shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
     elif shape == "square":

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
 
@@ -222,7 +223,7 @@ class _recording_worker_exits:  # noqa: N801 - used as a context manager, reads 
         exits = self.exits
 
         class RecordingAgent(base):  # type: ignore[misc, valid-type]
-            def _shutdown(self, *a, **kw):  # noqa: ANN002, ANN003 - same signature as the base
+            def _shutdown(self, *a: Any, **kw: Any) -> Any:  # the base's signature
                 try:
                     return super()._shutdown(*a, **kw)
                 finally:
@@ -232,7 +233,7 @@ class _recording_worker_exits:  # noqa: N801 - used as a context manager, reads 
                         exits[:] = codes
 
         self._module, self._base = launcher_api, base
-        launcher_api.LocalElasticAgent = RecordingAgent
+        setattr(launcher_api, "LocalElasticAgent", RecordingAgent)  # noqa: B010 - replaces a class, not a value
 
     def __exit__(self, *exc: object) -> None:
-        self._module.LocalElasticAgent = self._base
+        setattr(self._module, "LocalElasticAgent", self._base)  # noqa: B010

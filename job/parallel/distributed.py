@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass
 
 import numpy as np
+from typing import cast
+
 import torch
 import torch.distributed as dist
 
@@ -79,7 +81,9 @@ def setup(env: DistEnv, cfg: DistConfig) -> Runtime:
             env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout
         )
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+    control = None
+    if backend == "nccl":
+        control = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))
     return Runtime(device=device, backend=backend, control_group=control)
 
 

@@ -26,7 +26,7 @@ class NanLossAt(nn.Module):
         self.criterion, self.steps, self.state = criterion, frozenset(steps), state
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.criterion(logits, labels)
+        loss: torch.Tensor = self.criterion(logits, labels)
         if self.state.step + 1 in self.steps:
             loss = loss * float("nan")
         return loss

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torchvision
 from torch import nn
@@ -39,4 +41,4 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return model
+    return cast(nn.Module, model)

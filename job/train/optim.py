@@ -30,10 +30,15 @@ from job.config import OptimConfig, SchedConfig
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on weight matrices/kernels only: norm scales and biases are 1-d and decaying them hurts."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim <= 1 else decay).append(p)
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1:
+            no_decay.append(p)
+        else:
+            decay.append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

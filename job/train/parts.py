@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ def build_parts(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtim
     model = ddp.wrap_model(raw_model, cfg, rt)  # DDP with its knobs/comm hook, or the dp baseline
     train_model = model
     if cfg.model.compile:
-        train_model = torch.compile(model, mode=cfg.model.compile_mode)
+        train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
     optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device)
     return Parts(
         device=device, loaders=loaders, raw_model=raw_model, model=model, train_model=train_model,

@@ -9,10 +9,11 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from job.config import TrainConfig
 from job.config.plan import Plan
@@ -75,8 +76,7 @@ def train_step(parts: Parts, batches: Iterator[Any], plan: Plan, state: TrainSta
         images, labels = to_device(next(batches), parts.device, parts.channels_last)
         data_wait += time.perf_counter() - t0
         # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
-        sync = contextlib.nullcontext() if micro == last else parts.model.no_sync()
-        with sync:
+        with _sync_context(parts.model, sync=micro == last):
             with parts.autocast:
                 loss = parts.criterion(parts.train_model(images), labels) / plan.grad_accum_steps
             parts.scaler.scale(loss).backward()
@@ -91,6 +91,13 @@ def train_step(parts: Parts, batches: Iterator[Any], plan: Plan, state: TrainSta
     if parts.ema is not None:
         parts.ema.update(parts.raw_model, state.step)
     return StepOutput(step_loss, grad_norm, finite, data_wait)
+
+
+def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    if sync:
+        return contextlib.nullcontext()
+    # DDP and the DataParallel baseline both have no_sync(); the type says Module.
+    return cast(DistributedDataParallel, model).no_sync()
 
 
 def _unscale_and_norm(parts: Parts, clip_norm: float) -> torch.Tensor:
