@@ -21,3 +21,33 @@ def test_torch_pins_are_the_required_ones() -> None:
     pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line)
     assert pins["torch"] == "2.14.1" and pins["torchvision"] == "0.29.1", {k: pins[k] for k in ("torch", "torchvision")}
     assert "lightning" in pins, "the bench extra (Lightning, the overhead benchmark's reference) must be pinned"
+
+
+def _reading_order() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme[readme.index("## Reading order"):readme.index("Optimizers, ZeRO, communication hooks")]
+
+
+def test_readme_reading_order_names_every_module() -> None:
+    """Every module of job/ appears in the README's reading order (as `pkg/` followed by its file names, or
+    as a path), and every name there exists: the documented layout is the real one."""
+    import re
+
+    text = _reading_order()
+    named: set[str] = set()
+    for block in re.split(r"\n(?=\d+\. )", text):
+        package = re.search(r"`job/([a-z_]+)/`", block)
+        for name in re.findall(r"`([a-z_]+\.py)`", block):
+            named.add(f"job/{package.group(1)}/{name}" if package else f"job/{name}")
+        named.update(re.findall(r"`(job/[a-z_/]+\.py)`", block))
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "job").rglob("*.py") if p.name != "__init__.py"}
+    assert modules - named == set(), "modules missing from the README's reading order"
+    assert named - modules == set(), "the README's reading order names files that do not exist"
+
+
+def test_readme_lists_the_real_config_sections() -> None:
+    from job.config import JobConfig
+
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("with the sections `") + len("with the sections `"):].split("`", 1)[0].split()
+    assert listed == list(JobConfig.model_fields)
