@@ -5,6 +5,8 @@
   second SIGTERM to the workers while they save; SIGTERM while an async save is in flight; SIGUSR1 to the
   agent only; kill -9 of a worker under --max-restarts 1). DataLoader workers > 0, stops in the middle of
   epochs. The final parameters, optimizer, scheduler and trainer state must be bitwise identical.
+* exact resume at 4 processes, where the all-reduce's summation order depends on DDP's bucket layout:
+  SIGTERM, resume, bitwise equal to an uninterrupted 4-process run.
 * hung peer (SIGSTOP of one worker): the other exits 124 with a timeout error within dist.train_timeout_s
   plus slack;
 * NaN injection: the update is skipped, no checkpoint holds a non-finite value, too many skips stop the run
@@ -45,11 +47,12 @@ def train_args(data: Path, out: Path, name: str, *extra: str) -> list[str]:
 class Job:
     """``ddp-job launch`` (the torchrun agent) in its own session; its output is read line by line."""
 
-    def __init__(self, tmp: Path, launch_opts: list[str], args: list[str]) -> None:
+    def __init__(self, tmp: Path, launch_opts: list[str], args: list[str], nproc: int = 2) -> None:
         self.t0 = time.monotonic()
+        self.nproc = nproc
         self.lines: list[tuple[float, str]] = []
         self.cond = threading.Condition()
-        cmd = [bin_path("ddp-job"), "launch", "--standalone", "--nproc-per-node", "2", *launch_opts, "--", *args]
+        cmd = [bin_path("ddp-job"), "launch", "--standalone", "--nproc-per-node", str(nproc), *launch_opts, "--", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
@@ -84,7 +87,7 @@ class Job:
                 self.cond.wait(min(left, 1.0))
 
     def worker_pid(self, rank: int) -> int:
-        return int(self.wait_for(rf"\brank {rank}/2 .*pid=(\d+)")[1][1])
+        return int(self.wait_for(rf"\brank {rank}/{self.nproc} .*pid=(\d+)")[1][1])
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)
@@ -235,6 +238,38 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
         assert want["trainer"][key] == got["trainer"][key], key
     for step_dir in run_dir.glob("step-*"):
         assert ".tmp" not in step_dir.name, f"torn save left behind: {step_dir}"
+
+
+def test_resumed_four_process_run_is_bitwise_identical_to_an_uninterrupted_one(tmp_path: Path, tiny_data: Path,
+                                                                               jobs: list[Job]) -> None:
+    """At 4 ranks the order in which the ring all-reduce sums a gradient element over the ranks depends on the
+    element's offset in its DDP bucket, and float addition of 4 values is not associative (at 2 ranks a+b == b+a
+    hides this). So every step of a fresh and of a resumed run must use the same bucket layout; otherwise a
+    resumed run's first step uses DDP's initial layout where the uninterrupted run uses its rebuilt one.
+    4 ranks x micro 4 x 2 accumulation steps (no_sync on the first), no DataLoader workers (covered above)."""
+    out = tmp_path / "runs"
+    args = [*train_args(tiny_data, out, "ref"), "--train.global-batch-size", "32", "--data.num-workers", "0"]
+    ref = Job(tmp_path, [], args, nproc=4)  # alongside the interrupted attempt: start-ups overlap
+    jobs.append(ref)
+    args[args.index("ref")] = "chain"
+    a1 = Job(tmp_path, [], args, nproc=4)
+    jobs.append(a1)
+    a1.wait_for(rf"\[rank 0/4\] INFO step 2/{STEPS} ")
+    a1.signal(signal.SIGTERM)
+    _, m = a1.wait_for(r"stop requested \(signal SIGTERM[^)]*\): saving at step (\d+)")
+    assert a1.finish() == 143, a1.tail()
+    assert int(m[1]) < STEPS, "the stop must leave steps for the resumed run"
+    a2 = Job(tmp_path, [], args, nproc=4)
+    jobs.append(a2)
+    a2.wait_for(rf"resumed from .*step-{int(m[1]):07d}")
+    assert a2.finish() == 0, a2.tail()
+    assert ref.finish() == 0, ref.tail()
+    want, got = final_state(out / "ref"), final_state(out / "chain")
+    worst = max((want["model"][k].double() - v.double()).abs().max().item() for k, v in got["model"].items())
+    print(f"\n4 ranks, stopped at step {m[1]} of {STEPS} and resumed: largest parameter difference {worst:.3g}")
+    for key in ("model", "optimizer", "scheduler", "scaler"):
+        assert_bitwise_equal(want[key], got[key], key)
+    assert want["trainer"] == got["trainer"]
 
 
 # --- a rank that stops participating ------------------------------------------------------------------------

@@ -88,10 +88,21 @@ def test_one_all_reduce_per_bucket_per_optimizer_step(zero_runs: dict[str, Path]
     total, buckets, accum = int(m.group(2)), int(m.group(3)), int(m.group(4))
     assert accum == ACCUM and len(per_step) == 4 and sum(per_step) == total
     assert buckets >= 3, "a 4 MiB bucket cap splits resnet18's 45 MB of gradients into several buckets"
-    # After DDP's one bucket rebuild (during step 1) every step reduces each bucket exactly once:
-    # the ACCUM - 1 no_sync() micro-steps communicate nothing.
-    assert per_step[1:] == [buckets] * 3, per_step
-    assert per_step[0] <= buckets
+    # Every step reduces each bucket exactly once: the ACCUM - 1 no_sync() micro-steps communicate nothing,
+    # and step 1 too uses the final buckets (wrap_model lets DDP rebuild them at start-up).
+    assert per_step == [buckets] * 4, per_step
+
+
+def test_static_graph_with_accumulation_trains_like_plain_ddp(zero_runs: dict[str, Path], tmp_path: Path) -> None:
+    """static_graph's first iteration must be synced: a fresh DDP fails in a backward under no_sync(). The
+    start-up passes of wrap_model make that first iteration, so step 1 may start with no_sync() micro-steps,
+    and the parameters end as with plain DDP (same arithmetic, same final bucket layout)."""
+    r = torchrun(2, [*common_args(tmp_path), "--run.name", "static", "--ddp.static-graph", "true"], env=base_env(tmp_path))
+    assert r.returncode == 0, r.stderr[-4000:]
+    plain, static = load_final_state(zero_runs["plain"]), load_final_state(tmp_path / "static")
+    assert static["trainer"]["step"] == 4
+    for k, v in plain["model"].items():
+        assert torch.equal(v, static["model"][k]), f"model tensor {k} differs with static_graph"
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +131,34 @@ def test_zero_shards_resnet50_adamw_state(worker_results: dict) -> None:
     assert plain[0] == plain[1] and 2 * params <= plain[0] < 2 * params + 4096
     assert sum(zero) == plain[0], (zero, plain)
     assert max(zero) <= 0.55 * plain[0], f"ZeRO per-rank state {zero} is not about half of {plain[0]}"
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
+    """wrap_model's throwaway passes leave parameters, BatchNorm statistics, gradients, mode and the random
+    state as they were, and leave DDP with its buckets rebuilt. In-process, one gloo rank; mobilenet_v3_small
+    has BatchNorm and dropout (which draws random numbers in training mode)."""
+    import torch.distributed as dist
+
+    from job import parallel
+    from job.config import load_config
+    from job.distributed import Runtime
+    from job.model import build_model
+
+    cfg = load_config(["--model.name", "mobilenet_v3_small", "--data.image-size", "32", "--data.num-classes", "4",
+                       "--ddp.static-graph", str(static_graph).lower()], {})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        raw = build_model(cfg.model, cfg.data.num_classes)
+        before = {k: v.clone() for k, v in raw.state_dict().items()}
+        rng = torch.get_rng_state()
+        model = parallel.wrap_model(raw, cfg, Runtime(torch.device("cpu"), "gloo", None))
+        assert model._has_rebuilt_buckets
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert raw.training and all(p.grad is None for p in raw.parameters())
+        assert any(k.endswith("num_batches_tracked") for k in before), "no BatchNorm: the check would be vacuous"
+        for k, v in raw.state_dict().items():
+            assert torch.equal(v, before[k]), f"{k} changed"
+    finally:
+        dist.destroy_process_group()

@@ -125,6 +125,9 @@ def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
     model = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
                 bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
                 static_graph=d.static_graph)
+    # Before the hook, so PowerSGD's iteration count and the counter see real steps only (DDP takes a hook
+    # between iterations).
+    settle_buckets(model, cfg.data.image_size, rt.device)
     hook, state = _hook(d)
     if d.comm_stats:
         counter = CommCounter()
@@ -135,13 +138,47 @@ def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
     return model
 
 
+def settle_buckets(model: DDP, image_size: int, device: torch.device) -> None:
+    """Let DDP rebuild its gradient buckets now, on throwaway passes that change no state, so that every real
+    step of a fresh and of a resumed run all-reduces with the same, final bucket layout.
+
+    Why: DDP starts with one bucket in reverse parameter order and rebuilds its buckets once, in the order the
+    gradients became ready, at the forward after its first synced backward (its second with static_graph).
+    A ring all-reduce (gloo, NCCL) sums an element over the ranks in an order set by the element's offset in
+    its bucket, and from 3 ranks on float addition is not associative: a resumed run's first step, on the
+    initial layout, differed in the last bits from the same step of an uninterrupted run on the rebuilt one.
+    The zero images run the training graph, so the gradient order, and the overlap of communication with the
+    backward pass, are those DDP would record on a real step.
+    Cost: 2 forward/backward passes (3 with static_graph) on 2 zero images at start-up, nothing per step; it
+    also lets static_graph start under no_sync(), which fails on a fresh DDP. Rejected: find_unused_parameters
+    (never rebuilds, but walks the graph and all-reduces a usage map every step); the reducer's
+    _push_all_rebuilt_params (a rebuild in forward order: the first bucket is ready last, no overlap).
+    """
+    raw = model.module
+    was_training = raw.training
+    buffers = [b.detach().clone() for b in raw.buffers()]  # BatchNorm running statistics and counters
+    images = torch.zeros(2, 3, image_size, image_size, device=device)  # 2: BatchNorm needs > 1 value per channel
+    raw.train()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # e.g. dropout draws
+        for _ in range(3):  # static_graph: 2 passes before the one whose forward rebuilds
+            if model._has_rebuilt_buckets:  # DDP's own flag, set by the forward that rebuilt
+                break
+            model(images).sum().backward()
+    with torch.no_grad():
+        for b, saved in zip(raw.buffers(), buffers):
+            b.copy_(saved)
+    raw.zero_grad(set_to_none=True)
+    raw.train(was_training)
+    if not model._has_rebuilt_buckets:
+        log.warning("DDP did not rebuild its gradient buckets during start-up: a resumed run may differ from an "
+                    "uninterrupted one in the last bits of the gradients")
+
+
 def comm_summary(model: nn.Module, grad_accum_steps: int) -> str | None:
     """One log line with the counted all-reduce calls per optimizer step (``ddp.comm_stats``), else None."""
     counter: CommCounter | None = getattr(model, "job_comm_counter", None)
     if counter is None:
         return None
-    # DDP builds its first-iteration buckets from the parameter order and rebuilds them once from the order
-    # gradients became ready, so step 1 may show a different count from the later steps.
     return (f"comm: all-reduce calls per optimizer step {counter.per_step} (total {counter.calls}), "
             f"distinct buckets {len(counter.buckets)}, grad_accum_steps {grad_accum_steps}")
 
