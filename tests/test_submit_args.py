@@ -51,3 +51,23 @@ def test_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
                            "--log-folder", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--tasks-per-node 3 with --gpus-per-node 2" in proc.stderr
+
+
+def _submit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "job.launchers.submit", "--log-folder", str(tmp_path / "logs"),
+                           "--gpus-per-node", "0", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_a_failed_task_reports_its_exit_code_as_data(tmp_path: Path) -> None:
+    """submitit's local backend runs the task in a subprocess, as on a node: training refuses its input (exit
+    2), the task records 2 as its result and submit --wait exits 2 (submitit itself would keep only text)."""
+    import submitit
+
+    proc = _submit(tmp_path, "--cluster", "local", "--tasks-per-node", "1", "--wait", "--",
+                   "--data.path", str(tmp_path / "no-such-data"), "--run.output-dir", str(tmp_path / "runs"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    job_id = proc.stdout.split()[2]
+    assert f"job {job_id} done: exit=2" in proc.stdout
+    assert f"training failed in job(s) {job_id} (exit 2)" in proc.stderr
+    assert submitit.LocalJob(tmp_path / "logs", job_id).results() == [2]
+    assert "data.path=" in (tmp_path / "logs" / f"{job_id}_0_log.err").read_text()

@@ -35,24 +35,13 @@ from typing import Any
 import torch
 
 from job.checkpoint.snapshot import HostStaging, to_host
+from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
 
 log = logging.getLogger("job")
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
-
-
-class CheckpointWriteError(RuntimeError):
-    """A save failed (e.g. ENOSPC). Earlier checkpoints are untouched."""
-
-
-class NonFiniteStateError(CheckpointWriteError):
-    """The state to save holds NaN/Inf: refused, so no checkpoint ever holds non-finite values."""
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint verified but cannot be loaded safely (weights_only=True refused it)."""
 
 
 @dataclass(frozen=True)

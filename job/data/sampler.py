@@ -86,7 +86,8 @@ class ResumableSampler(Sampler):
             raise BadInput(
                 f"cannot map the saved data position ({samples_seen} samples into the epoch) onto "
                 f"{self.world_size} ranks x micro batch {self.micro_batch_size}: it is not a multiple of "
-                f"{self.row}. Fix: resume with the saved world size and micro batch.")
+                f"{self.row}.", "resume with the saved world size and micro batch.",
+                setting="train.micro_batch_size", value=self.micro_batch_size)
         return samples_seen // self.row
 
     def __iter__(self) -> Iterator[tuple[int, int]]:

@@ -4,7 +4,7 @@
     ddp-job submit --gpus-per-node 0 --tasks-per-node 2 --sweep optim.lr=0.1,0.2 --wait -- --train.steps 50
 
 One submitit task per GPU (CPU: ``--tasks-per-node``); each task is one rank and runs
-``job.train.run.main`` in-process with the env contract (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) exported by
+``ddp-job train`` in-process (``job.cli.main``) with the env contract (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) exported by
 ``submitit.helpers.TorchDistributedEnvironment`` (without its one-GPU-per-task CUDA_VISIBLE_DEVICES:
 the trainer picks ``cuda:LOCAL_RANK`` itself and NCCL wants to see the peers' GPUs).
 
@@ -39,21 +39,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import submitit
+from submitit.core import utils as submitit_utils
 
-from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
+from job.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, BadInput, TrainingFailed
 
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-
-
-class TrainingFailed(RuntimeError):
-    """Training returned a non-zero exit code other than 143."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(f"ddp-job train exited with exit code {code}")
-        self.code = code
 
 
 # ---------------------------------------------------------------- pure helpers (unit-testable)
@@ -62,7 +55,8 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
     key, sep, values = spec.partition("=")
     items = [v for v in values.split(",") if v != ""]
     if not sep or not re.fullmatch(r"[a-z_]+\.[a-z0-9_-]+", key) or not items:
-        raise BadInput(f"--sweep {spec!r} is not section.field=v1,v2,...; e.g. --sweep optim.lr=0.1,0.2")
+        raise BadInput(f"--sweep {spec!r} is not section.field=v1,v2,...", "write it as e.g. --sweep optim.lr=0.1,0.2.",
+                       setting="--sweep", value=spec)
     return key, items
 
 
@@ -87,7 +81,9 @@ def trainer_stop_signals(train_args: Sequence[str], submitit_signal: str) -> lis
             if submitit_signal in value:
                 raise BadInput(
                     f"--train.stop-signals {value!r} includes {submitit_signal}, which submitit needs for "
-                    f"checkpoint-and-requeue; remove it (the submit task turns {submitit_signal} into the STOP file)."
+                    "checkpoint-and-requeue.",
+                    f"remove it (the submit task turns {submitit_signal} into the STOP file).",
+                    setting="--train.stop-signals", value=value,
                 )
             return []  # the user's list stands
     return ["--train.stop-signals", ",".join(s for s in DEFAULT_STOP_SIGNALS if s != submitit_signal)]
@@ -111,7 +107,8 @@ def node_address(name: str) -> str:
     out = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=30).stdout
     match = re.search(r"\bNodeAddr=(\S+)", out)
     if not match:
-        raise BadInput(f"node name {name!r} does not resolve and `scontrol show node {name}` shows no NodeAddr; fix the node's DNS/hosts entry")
+        raise BadInput(f"node name {name!r} does not resolve and `scontrol show node {name}` shows no NodeAddr.",
+                       "fix the node's DNS/hosts entry.", setting="MASTER_ADDR", value=name)
     return match.group(1)
 
 
@@ -129,7 +126,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.preempt_grace_s = preempt_grace_s
 
     def __call__(self) -> int:
-        from job.train import run as train  # heavy (torch): import in the job, not at submission
+        from job import cli  # heavy (torch, later): import in the job, not at submission
 
         dist_env = submitit.helpers.TorchDistributedEnvironment()
         # This process is the launcher of its rank, so setting its own environment is its job.
@@ -141,7 +138,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         chain = _SignalChain(usr_sig, Path(self.run_dir) / "STOP", dist_env.rank, self.preempt_grace_s)
         chain.install()
         try:
-            code = train.main(self.argv)
+            code = cli.main(["train", *self.argv])  # errors printed and mapped to exit codes as by `ddp-job train`
         finally:
             chain.stop_touching()
         if code == EXIT_OK:
@@ -154,12 +151,28 @@ class TrainTask(submitit.helpers.Checkpointable):
             # No result file: the job is being requeued (by submitit above or by Slurm after SIGTERM)
             # or was cancelled; a result would make the next attempt look finished.
             os._exit(EXIT_PREEMPTED)
-        raise TrainingFailed(code)
+        _end_failed(code)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         # Called by submitit on global rank 0 only, inside its signal handler: no collectives, no save.
         # The new job resumes from the newest complete checkpoint in run_dir.
         return submitit.helpers.DelayedSubmission(TrainTask(self.argv, self.run_dir, self.preempt_grace_s))
+
+
+def _end_failed(code: int) -> NoReturn:
+    """Record ``code`` as this task's result and leave the process with it.
+
+    A task that raises reaches ``job.results()`` only as text (submitit pickles ``traceback.format_exc()``),
+    so the exit code is written as the task's result instead, into submitit's result file, where
+    ``job.results()`` returns it as a number. Exiting with the code keeps the Slurm job FAILED (``afterok``
+    dependencies, accounting) and shows the code in ``sacct``.
+    """
+    paths = submitit.JobEnvironment().paths
+    with submitit_utils.temporary_save_path(paths.result_pickle) as tmp:
+        submitit_utils.cloudpickle_dump(("success", code), tmp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _SignalChain:
@@ -244,9 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _executor(args: argparse.Namespace) -> submitit.AutoExecutor:
     if args.gpus_per_node < 0 or args.nodes < 1:
-        raise BadInput(f"--nodes {args.nodes} / --gpus-per-node {args.gpus_per_node}: need nodes >= 1 and gpus >= 0")
+        raise BadInput(f"--nodes {args.nodes} / --gpus-per-node {args.gpus_per_node}: need nodes >= 1 and gpus >= 0.",
+                       "pass --nodes 1 or more and --gpus-per-node 0 or more.", setting="--nodes/--gpus-per-node")
     if args.gpus_per_node > 0 and args.tasks_per_node not in (None, args.gpus_per_node):
-        raise BadInput(f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: one task per GPU; drop --tasks-per-node")
+        raise BadInput(f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: one task per GPU.",
+                       "drop --tasks-per-node.", setting="--tasks-per-node", value=args.tasks_per_node)
     tasks = args.gpus_per_node or args.tasks_per_node or 1
     ex = submitit.AutoExecutor(folder=args.log_folder, cluster=args.cluster, slurm_max_num_timeout=args.max_requeues)
     params: dict[str, Any] = dict(name=args.job_name, nodes=args.nodes, tasks_per_node=tasks, timeout_min=args.time)
@@ -289,18 +304,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"submitted job {job.job_id} run_dir={output_dir / name} log={job.paths.stdout}", flush=True)
     if not args.wait:
         return EXIT_OK
-    worst = EXIT_OK
+    failed: dict[str, int] = {}
     for job in jobs:
-        try:
-            job.results()
-            status = EXIT_OK
-        except Exception as err:  # noqa: BLE001 - any failure of a job is reported, then the next one
-            match = re.search(r"exit code (\d+)", str(err))
-            status = int(match.group(1)) if match else 1
-            print(f"job {job.job_id} failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err!r}", file=sys.stderr)
+        status = job_exit_code(job)
         print(f"job {job.job_id} done: exit={status}", flush=True)
-        worst = max(worst, status)
-    return worst
+        if status != EXIT_OK:
+            failed[job.job_id] = status
+    if failed:
+        raise TrainingFailed(failed, {job.job_id: str(job.paths.stderr) for job in jobs})
+    return EXIT_OK
+
+
+def job_exit_code(job: submitit.Job) -> int:
+    """The worst exit code of a finished job's tasks: each task's result is its training exit code (a failed
+    one records it, see ``_end_failed``). A task without a result died before it could: 1."""
+    try:
+        return max(job.results())
+    except Exception as err:  # noqa: BLE001 - any failure of a job is reported, then the next one
+        text = str(err).strip()
+        last = text.splitlines()[-1] if text else repr(err)
+        print(f"job {job.job_id} failed without an exit code: {last}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

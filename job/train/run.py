@@ -28,11 +28,11 @@ from job.observe import metrics
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
 from job.config import JobConfig, config_to_dict, dump_config, load_config
-from job.data.loaders import build_loaders, to_device, validate_data
+from job.data.loaders import build_loaders, check_train_size, to_device, validate_data
 from job.launchers.env import DistEnv, detect_env
 from job.train.ema import build_ema
-from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
-from job.train.model import build_model
+from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, NonFiniteError
+from job.train.model import build_model, validate_model
 from job.train.optim import build_optimizer, build_scheduler
 from job.config.plan import Plan, make_plan
 from job.data.prefetch import wrap_loaders
@@ -40,10 +40,6 @@ from job.train.preempt import StopRequest
 from job.checkpoint.resume import agree_on_checkpoint, find_resume, map_data_position, rng_state, set_rng_state
 
 log = logging.getLogger("job")
-
-
-class NonFiniteError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -59,20 +55,26 @@ class TrainState:
 
 
 def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
-    """Every check that needs no process group, device or write: bad input fails here with exit 2."""
+    """Every check that needs no process group, device or write: bad input fails here with exit 2, before
+    the doctor's quick checks (which write doctor.json) and before run() writes config.yaml."""
     plan = make_plan(cfg, env.world_size)
     parallel.validate(cfg, env.world_size, torch.cuda.is_available())
+    validate_model(cfg.model)
     if cfg.model.sync_bn and not torch.cuda.is_available():
-        raise BadInput("model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel). Fix: --model.sync-bn false, or --model.norm group.")
+        raise BadInput("model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel).",
+                       "--model.sync-bn false, or --model.norm group.", setting="model.sync_bn", value=True)
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
-        raise BadInput("train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported). Fix: use bf16 or fp32 on CPU.")
-    validate_data(cfg.data)
+        raise BadInput("train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported).",
+                       "use bf16 or fp32 on CPU.", setting="train.precision", value="fp16")
+    layout = validate_data(cfg.data)
+    check_train_size(cfg.data, layout, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
     run_dir = cfg.run_dir
     existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
     if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
         raise BadInput(
-            f"run directory {run_dir} cannot be created or written ({existing} is not a writable directory). "
-            f"Fix: set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory."
+            f"run directory {run_dir} cannot be created or written ({existing} is not a writable directory).",
+            "set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory.",
+            setting="run.output_dir", value=cfg.run.output_dir,
         )
     return plan
 
@@ -230,9 +232,9 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
             if state.nonfinite_skips > cfg.train.max_nonfinite_skips:
                 raise NonFiniteError(
                     f"step {state.step + 1}: more than train.max_nonfinite_skips={cfg.train.max_nonfinite_skips} "
-                    f"updates skipped for non-finite loss/gradients. Fix: lower optim.lr, enable train.grad_clip_norm, "
-                    f"or check the data. The newest checkpoint holds only finite values."
-                )
+                    f"updates skipped for non-finite loss/gradients.",
+                    "lower optim.lr, enable train.grad_clip_norm, or check the data. The newest checkpoint holds "
+                    "only finite values.", setting="train.max_nonfinite_skips", value=cfg.train.max_nonfinite_skips)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
