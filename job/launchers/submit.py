@@ -47,6 +47,9 @@ from submitit.core import utils as submitit_utils
 from job.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, BadInput, TrainingFailed
 
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+DEFAULT_OUTPUT_DIR = Path("runs")
+# The train flags that choose the run directory (both spellings load_config accepts) and what they set.
+RUN_DIR_FLAGS = {"--run.output-dir": "output_dir", "--run.output_dir": "output_dir", "--run.name": "name"}
 
 
 # ---------------------------------------------------------------- pure helpers (unit-testable)
@@ -87,6 +90,51 @@ def trainer_stop_signals(train_args: Sequence[str], submitit_signal: str) -> lis
                 )
             return []  # the user's list stands
     return ["--train.stop-signals", ",".join(s for s in DEFAULT_STOP_SIGNALS if s != submitit_signal)]
+
+
+def split_run_dir_args(train_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Take the user's ``--run.output-dir`` / ``--run.name`` (``--x v`` or ``--x=v``, either spelling) out of
+    the train arguments: ``{"output_dir": ..., "name": ...}`` for what was given, and the rest. Submit passes
+    the run directory itself, once, so the directory it prints, watches and resumes is the one training uses.
+    """
+    rest: list[str] = []
+    given: dict[str, str] = {}
+    args = iter(train_args)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        key = RUN_DIR_FLAGS.get(flag)
+        if key is None:
+            rest.append(arg)
+            continue
+        if not eq:
+            value = next(args, "")
+        if not value or value.startswith("--"):
+            raise BadInput(f"train argument {flag} has no value.", f"pass {flag} DIR (or {flag}=DIR), or leave it out.",
+                           setting=flag, value=value)
+        given[key] = value
+    return rest, given
+
+
+def _pick(option: str, own: Any, flag: str, given: str | None) -> Any:
+    """The train argument wins over the default; both given and different is refused (which one was meant?)."""
+    if given is None:
+        return own
+    if own is not None and Path(str(own)) != Path(given):  # Path: "runs/" and "runs" are one directory
+        raise BadInput(f"ddp-job submit {option} {own} and the train argument {flag} {given} disagree.",
+                       f"give the run directory once: {option} or {flag}.", setting=flag, value=given)
+    return given
+
+
+def run_dir_choice(args: argparse.Namespace, given: dict[str, str]) -> tuple[Path, str]:
+    """``(output_dir, base run name)`` from submit's ``--output-dir``/``--name`` and the train arguments'
+    ``--run.output-dir``/``--run.name`` (as slurm/train.sbatch: the train arguments win over the defaults)."""
+    output_dir = _pick("--output-dir", args.output_dir, "--run.output-dir", given.get("output_dir"))
+    name = _pick("--name", args.name, "--run.name", given.get("name"))
+    if output_dir is None:
+        output_dir = DEFAULT_OUTPUT_DIR
+    if name is None:
+        name = f"{args.job_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    return Path(output_dir).resolve(), name
 
 
 def run_argv(train_args: Sequence[str], output_dir: Path, name: str, extra: Sequence[str], submitit_signal: str) -> list[str]:
@@ -244,8 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--qos", default=None)
     a("--job-name", default="ddp-job")
     a("--log-folder", type=Path, default=Path("logs/submitit"), help="submitit folder: logs, pickles (default logs/submitit)")
-    a("--output-dir", type=Path, default=Path("runs"), help="run.output_dir (default runs)")
-    a("--name", default=None, help="run.name (default <job-name>-<UTC time>); a sweep appends the values")
+    a("--output-dir", type=Path, default=None,
+      help=f"run.output_dir (default: the train argument --run.output-dir, else {DEFAULT_OUTPUT_DIR})")
+    a("--name", default=None, help="run.name (default: the train argument --run.name, else <job-name>-<UTC time>); "
+      "a sweep appends the values")
     a("--sweep", action="append", default=[], metavar="SECTION.FIELD=V1,V2", help="one array task per value (repeat for a grid)")
     a("--max-requeues", type=int, default=3, help="how often a timed-out job is resubmitted (default 3)")
     a("--signal-delay", type=int, default=120, help="seconds before the time limit that Slurm sends the signal (default 120)")
@@ -288,8 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, train_args = build_parser().parse_known_args(argv)
     usr_sig = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
     usr_sig = usr_sig if usr_sig.startswith("SIG") else f"SIG{usr_sig}"
-    output_dir = args.output_dir.resolve()
-    base = args.name or f"{args.job_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    train_args, given = split_run_dir_args(train_args)
+    output_dir, base = run_dir_choice(args, given)
     runs = sweep_runs(base, args.sweep)
     grace = args.preempt_grace if args.preempt_grace is not None else max(args.signal_delay - 30, 10)
     tasks = [TrainTask(run_argv(train_args, output_dir, name, extra, usr_sig), str(output_dir / name), grace)
