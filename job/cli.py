@@ -8,9 +8,9 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_TIMEOUT, BadInput
+from job.errors import EXIT_BAD_INPUT, TRACEBACK_ENV, JobError, exit_code_of
 
-USAGE = """usage: ddp-job COMMAND [ARGS]
+USAGE = f"""usage: ddp-job COMMAND [ARGS]
 
 commands:
   train        train (as a torchrun worker, a single process, or launching one process per GPU itself)
@@ -21,16 +21,9 @@ commands:
   doctor       preflight checks: ddp-job doctor [train args]
   bench        benchmarks: ddp-job bench NAME [--quick]
 
-Every command takes --help. Add --traceback (or JOB_TRACEBACK=1) to see tracebacks of bad-input errors.
+Every command takes --help. Add --traceback (or {TRACEBACK_ENV}=1) to see tracebacks of bad-input errors.
 Exit codes: 0 ok, 1 failure, 2 bad input, 124 collective timeout, 143 preempted after saving (resume me).
 """
-
-
-def _is_timeout(err: BaseException) -> bool:
-    if type(err).__name__ == "DataStall":  # the input pipeline stalled: a failure (1), not a collective timeout
-        return False
-    text = f"{type(err).__name__} {err}".lower()
-    return "timed out" in text or "timeout" in text and "distributed" in text or type(err).__name__ == "DistBackendError" and "timeout" in text
 
 
 # Set by a launcher that already started one process per rank: never launch again underneath it.
@@ -95,7 +88,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    show_tb = "--traceback" in argv or os.environ.get("JOB_TRACEBACK") == "1"
+    show_tb = "--traceback" in argv or os.environ.get(TRACEBACK_ENV) == "1"
     argv = [a for a in argv if a != "--traceback"]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
@@ -106,18 +99,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         return COMMANDS[command](rest)
-    except BadInput as e:
-        if show_tb:
-            traceback.print_exc()
-        print(f"ddp-job {command}: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
     except SystemExit as e:  # argparse/CliApp --help and usage errors
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_BAD_INPUT)
         return code
     except Exception as e:  # noqa: BLE001 - the last line of defence maps to an exit code
-        logging.getLogger("job").error("failed: %s", e)
-        traceback.print_exc()
-        return EXIT_TIMEOUT if _is_timeout(e) else EXIT_FAILURE
+        _report(command, e, show_tb)
+        return exit_code_of(e)
+
+
+def _report(command: str, err: Exception, show_tb: bool) -> None:
+    """Our errors that say all there is to say (bad input) as one message; anything else with its traceback."""
+    if isinstance(err, JobError) and not err.show_traceback:
+        if show_tb:
+            traceback.print_exc()
+        print(f"ddp-job {command}: error: {err}", file=sys.stderr, flush=True)
+        return
+    logging.getLogger("job").error("failed: %s", err)
+    traceback.print_exc()
 
 
 def entrypoint() -> None:

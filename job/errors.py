@@ -1,4 +1,5 @@
-"""Exit codes of every ddp-job command, and the exception for bad input.
+"""Every exception type of ddp-job, the exit code each one ends a command with, and the one rule that
+recognises a collective timeout raised by torch.
 
 | code | name             | meaning                                                   | launcher action   |
 |------|------------------|-----------------------------------------------------------|-------------------|
@@ -10,7 +11,17 @@
 
 143 = 128 + SIGTERM: Kubernetes' ``restartPolicy: ExitCode`` retries codes >= 128 and fails the job for
 1-127, so bad input (2) is permanent while a preempted job is restarted.
+
+Errors are data: each ``JobError`` carries ``what`` (what is wrong), ``fix`` (the remedy), ``exit_code`` and,
+where one setting is to blame, ``setting`` and ``value``. ``str(err)`` renders "what. Fix: fix", the text
+users see; code that needs a part reads the attribute, never the text. ``job.cli`` returns
+``exit_code_of(err)`` for whatever a command raised.
 """
+
+from __future__ import annotations
+
+import sys
+from typing import Any
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -18,11 +29,135 @@ EXIT_BAD_INPUT = 2
 EXIT_TIMEOUT = 124
 EXIT_PREEMPTED = 143
 
-
-class BadInput(Exception):
-    """Bad config, environment or data. ``str(err)`` is the whole user-facing message: it names the
-    setting or variable, the bad value and the fix. The CLI prints it without a traceback and exits 2."""
+TRACEBACK_ENV = "JOB_TRACEBACK"
+"""Set to 1 to print tracebacks of errors that are shown without one (bad input); read by job.cli."""
 
 
-class NonFiniteError(RuntimeError):
-    """More than ``train.max_nonfinite_skips`` updates were skipped for a non-finite loss or gradient norm."""
+class JobError(Exception):
+    """Base of every ddp-job error.
+
+    Args:
+        what: what is wrong, naming the setting or variable and the bad value.
+        fix: what the user should do about it ("" when nothing can be said).
+        setting: the setting, variable or option to blame, if one is.
+        value: its bad value.
+    """
+
+    exit_code: int = EXIT_FAILURE
+    show_traceback: bool = True
+    """Whether the CLI prints the traceback: for failures a developer may need to locate."""
+
+    def __init__(self, what: str, fix: str = "", *, setting: str | None = None, value: Any = None) -> None:
+        # One positional argument: torch's DataLoader and multiprocessing rebuild exceptions as cls(text).
+        super().__init__(what)
+        self.what = what
+        self.fix = fix
+        self.setting = setting
+        self.value = value
+
+    def __str__(self) -> str:
+        if not self.fix:
+            return self.what
+        return f"{self.what} Fix: {self.fix}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the attributes without calling __init__ (subclasses take other arguments), so an error
+        # crosses a process boundary (DataLoader workers, pickles) whole.
+        return _rebuild, (type(self), self.__dict__)
+
+
+def _rebuild(cls: type[JobError], state: dict[str, Any]) -> JobError:
+    err = cls.__new__(cls)
+    err.__dict__.update(state)
+    err.args = (state.get("what", ""),)
+    return err
+
+
+class BadInput(JobError):
+    """Bad config, environment or data, found before anything was started or written. The CLI prints the
+    message without a traceback (``--traceback`` or JOB_TRACEBACK=1 add it) and exits 2."""
+
+    exit_code = EXIT_BAD_INPUT
+    show_traceback = False
+
+
+class CollectiveTimeout(JobError, RuntimeError):
+    """A collective timed out; the message says which rank(s) stalled (job.observe.observer)."""
+
+    exit_code = EXIT_TIMEOUT
+
+
+class DoctorFailed(JobError, RuntimeError):
+    """A rendezvous/communication FAIL in train's doctor phase: a restart may help."""
+
+
+class DataStall(JobError, RuntimeError):
+    """The DataLoader workers delivered nothing within data.loader_timeout_s: this rank's input pipeline,
+    not the network, so a failure (1), not a collective timeout."""
+
+
+class CheckpointWriteError(JobError, RuntimeError):
+    """A save failed (e.g. ENOSPC). Earlier checkpoints are untouched."""
+
+
+class NonFiniteStateError(CheckpointWriteError):
+    """The state to save holds NaN/Inf: refused, so no checkpoint ever holds non-finite values."""
+
+
+class CheckpointLoadError(JobError, RuntimeError):
+    """A checkpoint verified but cannot be loaded safely (weights_only=True refused it)."""
+
+
+class NonFiniteError(JobError, RuntimeError):
+    """More than train.max_nonfinite_skips optimizer updates were skipped for non-finite loss/gradients."""
+
+
+class TrainingFailed(JobError, RuntimeError):
+    """Submitted training jobs ended with non-zero exit codes; ``ddp-job submit --wait`` exits with the worst.
+
+    Args:
+        codes: exit code per failed job id.
+        logs: where each job's log is, for the fix.
+    """
+
+    show_traceback = False  # the jobs' own logs hold the tracebacks
+
+    def __init__(self, codes: dict[str, int], logs: dict[str, str]) -> None:
+        listed = ", ".join(f"{job} (exit {code})" for job, code in codes.items())
+        super().__init__(f"training failed in job(s) {listed}.",
+                         f"read the job log(s): {', '.join(logs[job] for job in codes)}.")
+        self.codes = dict(codes)
+        self.exit_code = max(codes.values())
+
+
+# A gloo collective that times out raises a plain RuntimeError (no torch type), with one of these texts:
+# the operation that hit the timeout, and every later operation on the pair the timeout closed. Both
+# measured with torch 2.14.1 (two gloo processes, one sleeping past dist.set_timeout).
+_GLOO_TIMEOUT_TEXTS = ("Timed out waiting", "Application timeout caused pair closure")
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is torch reporting that a collective (or the store behind it) timed out: a peer stopped
+    participating.
+
+    By type where torch gives one: ``DistBackendError`` (NCCL: the watchdog timed out the collective or
+    aborted the communicator after a peer's failure; the type does not tell the two apart) and
+    ``DistStoreError`` (a store wait or store-based barrier timed out). Gloo raises a plain ``RuntimeError``:
+    for that type only, its two timeout texts decide (the fallback). Our own errors carry their exit code.
+    """
+    if isinstance(err, JobError):
+        return isinstance(err, CollectiveTimeout)
+    dist = sys.modules.get("torch.distributed")  # not imported: torch raised no distributed error
+    if dist is not None and isinstance(err, (dist.DistBackendError, dist.DistStoreError)):
+        return True
+    return type(err) is RuntimeError and any(text in str(err) for text in _GLOO_TIMEOUT_TEXTS)
+
+
+def exit_code_of(err: BaseException) -> int:
+    """The exit code a command that raised ``err`` ends with: its ``exit_code`` for our errors, 124 for a
+    collective timeout raised by torch, else 1."""
+    if isinstance(err, JobError):
+        return err.exit_code
+    if is_collective_timeout(err):
+        return EXIT_TIMEOUT
+    return EXIT_FAILURE

@@ -65,6 +65,37 @@ def test_kebab_case_cli_and_snake_case_env() -> None:
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (32, 8)
 
 
+@pytest.mark.parametrize("argv", [
+    ["--run.output_dir", "/x/out", "--train.global_batch_size", "32", "--data.num_workers=3"],
+    ["--run.output-dir", "/x/out", "--train.global-batch-size", "32", "--data.num-workers=3"],
+    ["--run.output_dir=/x/out", "--train.global-batch-size=32", "--data.num_workers", "3"],
+])
+def test_flags_take_the_snake_case_spelling_too(argv: list[str]) -> None:
+    cfg = load_config(argv, {})
+    assert (cfg.run.output_dir, cfg.train.global_batch_size, cfg.data.num_workers) == (Path("/x/out"), 32, 3)
+
+
+def _settings() -> list[tuple[str, str, object]]:
+    return [(section, name, getattr(getattr(JobConfig(), section), name))
+            for section, model in JobConfig.model_fields.items()
+            for name in model.annotation.model_fields]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("section, name, default", [s for s in _settings() if "_" in s[1]
+                                                    and isinstance(s[2], (bool, int, float, str, Path))])
+def test_every_field_takes_both_spellings(section: str, name: str, default: object) -> None:
+    value = str(default).lower() if isinstance(default, bool) else str(default)
+    snake = load_config([f"--{section}.{name}", value], {})
+    kebab = load_config([f"--{section}.{name.replace('_', '-')}={value}"], {})
+    assert snake == kebab == load_config([], {f"JOB_{section.upper()}__{name.upper()}": value})
+
+
+def test_misspelt_flag_names_the_closest_one() -> None:
+    with pytest.raises(BadInput) as e:
+        load_config(["--run.outptu-dir", "x"], {})
+    assert e.value.setting == "--run.outptu-dir" and "did you mean --run.output-dir?" in e.value.fix
+
+
 # --- unknown keys, wrong types, files ------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, named", [
@@ -80,6 +111,28 @@ def test_unknown_yaml_keys_rejected(tmp_path: Path, text: str, named: str) -> No
 def test_unknown_env_key_rejected() -> None:
     with pytest.raises(BadInput, match=r"optim\.lrr"):
         load_config([], {"JOB_OPTIM__LRR": "0.1"})
+
+
+@pytest.mark.parametrize("name", ["JOB_OPTIMX__LR", "job_optimx__lr", "JOB_OPTIM_LR", "JOB_TRAIN_STEPS"])
+def test_env_var_of_an_unknown_section_rejected(name: str) -> None:
+    with pytest.raises(BadInput) as e:
+        load_config([], {name: "0.1"})
+    assert e.value.setting == name and e.value.value == "0.1"
+    assert f"{name}='0.1'" in str(e.value)
+    assert ", ".join(JobConfig.model_fields) in e.value.fix and "JOB_OPTIM__LR" in e.value.fix
+
+
+def test_job_variables_of_other_tools_are_left_alone() -> None:
+    """A CI system's JOB_NAME or the service links of a Kubernetes Service named "job" are not settings."""
+    foreign = {"JOB_NAME": "nightly", "JOB_URL": "http://ci/job/1", "JOB_SERVICE_HOST": "10.0.0.1", "JOB_PORT": "tcp://x"}
+    assert load_config([], foreign) == load_config([], {})
+
+
+def test_job_variables_the_project_reads_itself_are_not_config() -> None:
+    from job.config.load import NON_CONFIG_ENV
+
+    assert "JOB_TRACEBACK" in NON_CONFIG_ENV
+    assert load_config([], {name: "1" for name in NON_CONFIG_ENV}) == load_config([], {})
 
 
 @pytest.mark.parametrize("argv", [["--optim.lrr", "0.1"], ["--optimm.lr", "0.1"], ["--steps", "3"]])
@@ -109,6 +162,14 @@ def test_wrong_type_in_yaml(tmp_path: Path) -> None:
 def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(BadInput, match="no such file"):
         load_config(["--config", str(tmp_path / "nope.yaml")], {})
+
+
+def test_config_that_is_a_directory_is_named(tmp_path: Path) -> None:
+    yaml_file(tmp_path, "train: {steps: 7}")
+    with pytest.raises(BadInput) as e:
+        load_config(["--config", str(tmp_path)], {})
+    assert str(e.value).startswith(f"--config {tmp_path} is a directory, not a YAML file.")
+    assert str(tmp_path / "c.yaml") in e.value.fix
 
 
 def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
@@ -160,6 +221,7 @@ def test_help_documents_every_field() -> None:
         for name, field in model.annotation.model_fields.items():  # type: ignore[union-attr]
             flag = f"--{section}.{name.replace('_', '-')}"
             assert flag in r.stdout, flag
+            assert f"--{section}.{name}" in r.stdout, name  # the snake_case spelling is listed too
             first_words = " ".join((field.description or "").split()[:3])
             assert first_words and first_words in " ".join(r.stdout.split()), (flag, first_words)
 

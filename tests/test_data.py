@@ -396,6 +396,26 @@ def test_corrupt_image_error_names_the_file_in_the_main_process(tmp_path, fmt, w
     msg = str(e.value)
     assert f"cannot read image file {bad}" in msg and "truncated" in msg and "Fix:" in msg
     assert "Traceback" not in msg
+    # the error itself crossed the worker boundary, not torch's rebuild of it from the traceback text
+    assert (e.value.setting, e.value.value) == ("data.path", str(bad)) and "delete or replace" in e.value.fix
+
+
+def test_worker_start_failure_reaches_the_trainer_whole(tmp_path, monkeypatch):
+    """init_worker's error (TMPDIR unusable for the workers' sockets) arrives in place of the first batch."""
+    from job.data import workers
+
+    root = tmp_path / "d"
+    make_dataset(root, classes=2, per_class=4, size=16, val_per_class=1)
+
+    def unusable_tmpdir() -> None:
+        raise BadInput("TMPDIR=/x is too long.", "set TMPDIR shorter.", setting="TMPDIR", value="/x")
+
+    monkeypatch.setattr(workers, "use_short_socket_tempdir", unusable_tmpdir)  # the workers fork with it
+    loaders = build_loaders(cfg_for(root, num_classes=2, num_workers=2), 0, 1, 2, 0, CPU)
+    with pytest.raises(BadInput) as e:
+        next(iter(loaders.train))
+    assert (e.value.setting, e.value.value, e.value.fix) == ("TMPDIR", "/x", "set TMPDIR shorter.")
+    assert str(e.value) == "TMPDIR=/x is too long. Fix: set TMPDIR shorter."
 
 
 EXIT_SCRIPT = """

@@ -369,6 +369,15 @@ BAD_INPUTS = [
      lambda tmp, data: _write(tmp / "bad-section.yaml", "trian:\n  steps: 3\n"), "trian"),
     ("config-bad-yaml", ["--config", "{tmp}/bad.yaml"], {}, lambda tmp, data: _write(tmp / "bad.yaml", "train: [1,\n"), "YAML"),
     ("data-path-missing", ["--data.path", "/nonexistent/data"], {}, None, "data.path"),
+    # needs no process group, so refused before the doctor's checks (doctor.json) and config.yaml are written:
+    ("data-smaller-than-a-batch", ["--train.global-batch-size", "128"], {}, None, "64 samples, fewer than one global batch"),
+    ("synthetic-smaller-than-a-batch", ["--data.source", "synthetic", "--data.synthetic-train-size", "4"], {}, None,
+     "data.synthetic_train_size=4"),
+    ("model-unknown", ["--model.name", "resnet19"], {}, None, "model.name='resnet19'"),
+    ("model-norm-unsupported", ["--model.name", "mobilenet_v2", "--model.norm", "group", "--doctor.enabled", "false"], {},
+     None, "model.norm"),
+    ("env-unknown-section", [], {"JOB_OPTIMX__LR": "0.1"}, None, "JOB_OPTIMX__LR"),
+    ("config-is-a-directory", ["--config", "{tmp}"], {}, None, "is a directory"),
     ("data-classes-mismatch", ["--data.num-classes", "5"], {}, None, "data.num_classes"),
     ("data-empty-class", ["--data.path", "{tmp}/holey"], {},
      lambda tmp, data: [_write(tmp / "holey" / s / c / ("x.png" if c != "c1" or s == "val" else "notes.txt"), "x")

@@ -9,12 +9,14 @@ Also runs shellcheck over every shell script of the Slurm and test-infra parts.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import require
+from job.launchers.env import slurm_master_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -134,6 +136,20 @@ def test_golden_semantics(tmp_path: Path) -> None:
     assert " -- doctor --run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --doctor.comm-iters 3" in doctor
     bad = _render(tmp_path, "b", {"DDP_JOB_COMMAND": "eval"}, [])
     assert "exit 2" in bad and "DDP_JOB_COMMAND=eval" in bad and "srun" not in bad
+
+
+def test_rendezvous_port_formula_is_the_python_one() -> None:
+    """The script writes the port formula out again (no Python package on the host in container modes): it
+    must give slurm_master_port's port for every job id, up to Slurm's 32-bit ids and beyond."""
+    m = re.search(r"^rdzv_port\(\) \{.*\}$", SBATCH.read_text(), re.M)
+    assert m, "slurm/train.sbatch defines no one-line rdzv_port() function"
+    ids = [*range(0, 30001, 7), 8999, 9000, 9001, 19999, 20000, 4242, 2**31 - 1, 2**32 - 1, 2**32 + 12345,
+           67_108_863, 10**12 + 3, 2**62 + 11]
+    script = m[0] + '\nfor id in "$@"; do rdzv_port "$id"; done\n'
+    proc = subprocess.run(["bash", "-c", script, "rdzv", *map(str, ids)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert [int(p) for p in proc.stdout.split()] == [slurm_master_port(str(i)) for i in ids]
+    assert 20000 <= min(slurm_master_port(str(i)) for i in ids) and max(slurm_master_port(str(i)) for i in ids) < 32768
 
 
 def _shellcheck() -> str:

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from job.errors import BadInput
-from job.launchers.submit import node_address, parse_sweep, run_argv, sweep_runs, trainer_stop_signals
+from job.launchers.submit import (
+    build_parser,
+    node_address,
+    parse_sweep,
+    run_argv,
+    run_dir_choice,
+    split_run_dir_args,
+    sweep_runs,
+    trainer_stop_signals,
+)
 
 
 def test_parse_sweep() -> None:
@@ -51,3 +60,70 @@ def test_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
                            "--log-folder", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--tasks-per-node 3 with --gpus-per-node 2" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["--run.output-dir", "OUT", "--run.name", "NAME"],
+    ["--run.output_dir", "OUT", "--run.name=NAME"],
+    ["--run.output-dir=OUT", "--run.name", "NAME"],
+    ["--run.output_dir=OUT", "--run.name=NAME"],
+])
+def test_the_users_run_directory_is_taken_out_of_the_train_args(args: list[str]) -> None:
+    rest, given = split_run_dir_args(["--train.steps", "5", *args, "--optim.lr", "0.1"])
+    assert rest == ["--train.steps", "5", "--optim.lr", "0.1"]
+    assert given == {"output_dir": "OUT", "name": "NAME"}
+
+
+def test_a_run_directory_flag_without_value_is_refused() -> None:
+    for args in (["--run.output-dir"], ["--run.name="], ["--run.output_dir", "--train.steps", "5"]):
+        with pytest.raises(BadInput, match="has no value") as e:
+            split_run_dir_args(args)
+        assert e.value.setting in ("--run.output-dir", "--run.name", "--run.output_dir")
+
+
+def test_train_args_win_over_submits_defaults_and_conflicts_are_refused(tmp_path: Path) -> None:
+    parser = build_parser()
+    own = parser.parse_args([])
+    assert run_dir_choice(own, {"output_dir": str(tmp_path / "mine"), "name": "r1"}) == (tmp_path / "mine", "r1")
+    output_dir, name = run_dir_choice(own, {})
+    assert output_dir == Path("runs").resolve() and name.startswith("ddp-job-")
+    same = parser.parse_args(["--output-dir", f"{tmp_path}/mine/", "--name", "r1"])
+    assert run_dir_choice(same, {"output_dir": str(tmp_path / "mine"), "name": "r1"}) == (tmp_path / "mine", "r1")
+    other = parser.parse_args(["--output-dir", str(tmp_path / "theirs")])
+    with pytest.raises(BadInput, match="--output-dir .*theirs and the train argument --run.output-dir .*mine disagree"):
+        run_dir_choice(other, {"output_dir": str(tmp_path / "mine")})
+    with pytest.raises(BadInput, match="--name a and the train argument --run.name b disagree"):
+        run_dir_choice(parser.parse_args(["--name", "a"]), {"name": "b"})
+
+
+def _submit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "job.launchers.submit", "--log-folder", str(tmp_path / "logs"),
+                           "--gpus-per-node", "0", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("spelling", [["--run.output-dir", "{d}"], ["--run.output_dir={d}"]])
+def test_submit_prints_and_trains_into_the_users_run_directory(tmp_path: Path, spelling: list[str]) -> None:
+    """submitit's debug backend submits without Slurm (nothing runs until a result is asked for)."""
+    mine = tmp_path / "mine"
+    proc = _submit(tmp_path, "--cluster", "debug", "--", "--train.steps", "3", *[a.format(d=mine) for a in spelling],
+                   "--run.name", "r1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"run_dir={mine / 'r1'} " in proc.stdout, proc.stdout
+    sweep = _submit(tmp_path, "--cluster", "debug", "--sweep", "optim.lr=0.1,0.2", "--", *[a.format(d=mine) for a in spelling])
+    assert sweep.returncode == 0, sweep.stderr
+    assert sweep.stdout.count(f"run_dir={mine}/ddp-job-") == 2, sweep.stdout
+
+
+def test_a_failed_task_reports_its_exit_code_as_data(tmp_path: Path) -> None:
+    """submitit's local backend runs the task in a subprocess, as on a node: training refuses its input (exit
+    2), the task records 2 as its result and submit --wait exits 2 (submitit itself would keep only text)."""
+    import submitit
+
+    proc = _submit(tmp_path, "--cluster", "local", "--tasks-per-node", "1", "--wait", "--",
+                   "--data.path", str(tmp_path / "no-such-data"), "--run.output-dir", str(tmp_path / "runs"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    job_id = proc.stdout.split()[2]
+    assert f"job {job_id} done: exit=2" in proc.stdout
+    assert f"training failed in job(s) {job_id} (exit 2)" in proc.stderr
+    assert submitit.LocalJob(tmp_path / "logs", job_id).results() == [2]
+    assert "data.path=" in (tmp_path / "logs" / f"{job_id}_0_log.err").read_text()

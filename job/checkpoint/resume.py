@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from job.config import JobConfig, config_to_dict, flatten
-from job.errors import BadInput
+from job.errors import BadInput, CheckpointLoadError
 
 log = logging.getLogger("job")
 
@@ -74,9 +74,10 @@ def map_data_position(trainer: dict[str, Any], saved_plan: dict[str, Any], world
         raise BadInput(
             f"cannot map the saved data position ({samples} samples into epoch {trainer.get('epoch')}, saved with "
             f"world_size={saved_plan['world_size']} x micro batch {saved_plan['micro_batch_size']}) onto "
-            f"world_size={world_size} x micro batch {micro_batch_size}: {samples} is not a multiple of {row}. "
-            f"Fix: keep train.global_batch_size={saved_plan.get('global_batch_size')} and choose "
-            f"train.micro_batch_size so that it divides the position, or resume with {saved_plan['world_size']} processes."
+            f"world_size={world_size} x micro batch {micro_batch_size}: {samples} is not a multiple of {row}.",
+            f"keep train.global_batch_size={saved_plan.get('global_batch_size')} and choose "
+            f"train.micro_batch_size so that it divides the position, or resume with {saved_plan['world_size']} processes.",
+            setting="train.micro_batch_size", value=micro_batch_size,
         )
     return samples // row
 
@@ -93,14 +94,16 @@ def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int, m
     if diffs and not cfg.ckpt.allow_config_change:
         raise BadInput(
             f"the newest checkpoint (step {manifest.get('step')}) was written with a different config:\n  "
-            + "\n  ".join(diffs)
-            + "\nFix: restore those settings, use a new run.name, or pass --ckpt.allow-config-change true."
+            + "\n  ".join(diffs),
+            "restore those settings, use a new run.name, or pass --ckpt.allow-config-change true.",
+            setting="ckpt.allow_config_change", value=False,
         )
     saved_ws = manifest.get("world_size")
     if saved_ws != world_size and not cfg.ckpt.allow_world_size_change:
         raise BadInput(
             f"the newest checkpoint (step {manifest.get('step')}) was written with world_size={saved_ws}, "
-            f"this run has world_size={world_size}. Fix: launch {saved_ws} processes, or pass "
+            f"this run has world_size={world_size}.",
+            f"launch {saved_ws} processes, or pass "
             f"--ckpt.allow-world-size-change true (supported: the data position is mapped by samples consumed, "
             f"so the sample order is kept when train.global_batch_size is unchanged; per-rank RNG streams are re-seeded "
             f"and results match the uninterrupted run up to floating-point summation order)."
@@ -144,7 +147,7 @@ def agree_on_checkpoint(found: Any, group: Any = None) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     newest, oldest = int(t[0]), -int(t[1])
     if newest != oldest:
-        raise RuntimeError(
+        raise CheckpointLoadError(
             f"ranks found different newest checkpoints (steps {oldest} to {newest}; -1 = none). The run directory "
-            f"must be on a filesystem every rank sees the same way. Fix: put run.output_dir on shared storage."
-        )
+            f"must be on a filesystem every rank sees the same way.",
+            "put run.output_dir on shared storage.", setting="run.output_dir")

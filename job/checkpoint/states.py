@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from job.checkpoint.resume import map_data_position, rng_state, set_rng_state
 from job.config.plan import Plan
-from job.checkpoint.store import CheckpointLoadError
+from job.errors import CheckpointLoadError
 
 log = logging.getLogger("job")
 
@@ -64,8 +64,8 @@ class States:
         if missing:
             raise CheckpointLoadError(
                 f"the checkpoint has no {', '.join(missing)} (it holds {', '.join(sorted(saved))}): it was written "
-                f"by another version of ddp-job. Fix: resume with the version that wrote it, or start a new run "
-                f"(a new run.name).")
+                f"by another version of ddp-job.",
+                "resume with the version that wrote it, or start a new run (a new run.name).")
         for name, obj in self._entries.items():
             obj.load_state_dict(saved.get(name))
 

@@ -35,24 +35,13 @@ from typing import Any
 import torch
 
 from job.checkpoint.snapshot import HostStaging, to_host
+from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
 
 log = logging.getLogger("job")
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
-
-
-class CheckpointWriteError(RuntimeError):
-    """A save failed (e.g. ENOSPC). Earlier checkpoints are untouched."""
-
-
-class NonFiniteStateError(CheckpointWriteError):
-    """The state to save holds NaN/Inf: refused, so no checkpoint ever holds non-finite values."""
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint verified but cannot be loaded safely (weights_only=True refused it)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +120,8 @@ def load_state(found: Found) -> dict[str, Any]:
             f"{path} verifies against its manifest but torch.load(weights_only=True) refused it "
             f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}). A checkpoint may hold only tensors and "
             f"plain containers; this one was not written by ddp-job or was tampered with. It is never loaded "
-            f"with weights_only=False. Fix: move {found.path} out of the run directory to resume from the one before."
+            f"with weights_only=False.",
+            f"move {found.path} out of the run directory to resume from the one before.",
         ) from None
 
 
@@ -155,7 +145,8 @@ def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dic
         raise NonFiniteStateError(
             f"not saving checkpoint {final}: non-finite values in {', '.join(bad[:5])}"
             + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            + ". Earlier checkpoints are intact. Fix: lower optim.lr, set train.grad_clip_norm, or check the data."
+            + ". Earlier checkpoints are intact.",
+            "lower optim.lr, set train.grad_clip_norm, or check the data.",
         )
     try:
         tmp.mkdir(parents=True)
@@ -195,8 +186,8 @@ def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dic
         cause = _os_error(e)
         raise CheckpointWriteError(
             f"writing checkpoint {final} failed: {cause.strerror if cause else e}. It needs about {need / 2**20:.1f} MiB; "
-            f"{free / 2**20:.1f} MiB are free on that filesystem. Earlier checkpoints are intact. "
-            f"Fix: free space, lower ckpt.keep_last, or point run.output_dir elsewhere."
+            f"{free / 2**20:.1f} MiB are free on that filesystem. Earlier checkpoints are intact.",
+            "free space, lower ckpt.keep_last, or point run.output_dir elsewhere.",
         ) from e
 
 

@@ -104,16 +104,20 @@ def _check_args(classes: int, per_class: int, size: int, val_per_class: int, fmt
     if not 1 <= classes <= MAX_CLASSES:
         raise BadInput(
             f"make-data --classes {classes}: must be between 1 and {MAX_CLASSES} "
-            f"({len(SHAPES)} shapes x {len(COLOURS)} colours). Fix: pass --classes 10."
+            f"({len(SHAPES)} shapes x {len(COLOURS)} colours).", "pass --classes 10.", setting="--classes", value=classes,
         )
     if per_class < 1:
-        raise BadInput(f"make-data --per-class {per_class}: must be >= 1. Fix: pass --per-class 100.")
+        raise BadInput(f"make-data --per-class {per_class}: must be >= 1.", "pass --per-class 100.",
+                       setting="--per-class", value=per_class)
     if val_per_class < 1:
-        raise BadInput(f"make-data --val-per-class {val_per_class}: must be >= 1. Fix: pass --val-per-class 20.")
+        raise BadInput(f"make-data --val-per-class {val_per_class}: must be >= 1.", "pass --val-per-class 20.",
+                       setting="--val-per-class", value=val_per_class)
     if not 8 <= size <= 1024:
-        raise BadInput(f"make-data --size {size}: must be between 8 and 1024 pixels. Fix: pass --size 32.")
+        raise BadInput(f"make-data --size {size}: must be between 8 and 1024 pixels.", "pass --size 32.",
+                       setting="--size", value=size)
     if fmt not in ("png", "jpeg"):
-        raise BadInput(f"make-data --format {fmt!r}: must be 'png' or 'jpeg'. Fix: pass --format png.")
+        raise BadInput(f"make-data --format {fmt!r}: must be 'png' or 'jpeg'.", "pass --format png.",
+                       setting="--format", value=fmt)
 
 
 def make_dataset(
@@ -175,14 +179,14 @@ def _check_existing(out: Path, args: dict) -> None:
     except (OSError, ValueError):
         raise BadInput(
             f"make-data --out {out}: the directory exists but is not a complete make-data set "
-            f"(no readable {MANIFEST}). Fix: delete it or pass another --out."
+            f"(no readable {MANIFEST}).", "delete it or pass another --out.", setting="--out", value=out,
         ) from None
     if existing != args:
         diff = ", ".join(f"{k}: {existing.get(k)!r} there, {v!r} asked"
                          for k, v in args.items() if existing.get(k) != v)
         raise BadInput(
-            f"make-data --out {out}: already holds a set made with other arguments ({diff}). "
-            "Fix: delete it or pass another --out."
+            f"make-data --out {out}: already holds a set made with other arguments ({diff}).",
+            "delete it or pass another --out.", setting="--out", value=out,
         )
 
 

@@ -28,14 +28,14 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from torchvision.transforms import v2
 
 from job.config import DataConfig
 from job.data.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
-from job.errors import BadInput
+from job.errors import BadInput, DataStall, JobError
 from job.data.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
-from job.data.workers import WorkerTrackingLoader, init_worker, socket_tempdir_too_long
+from job.data.workers import WorkerTrackingLoader, init_error, init_worker, socket_tempdir_too_long
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -64,8 +64,8 @@ def _list_dir(d: Path, what: str) -> list[os.DirEntry]:
         with os.scandir(d) as it:
             return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     except OSError as e:
-        raise BadInput(f"data.path: cannot read {what} {d} ({e.strerror}). Fix: check the path and "
-                       "its permissions.") from None
+        raise BadInput(f"data.path: cannot read {what} {d} ({e.strerror}).", "check the path and its permissions.",
+                       setting="data.path", value=d) from None
 
 
 def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str, int]]]:
@@ -73,23 +73,28 @@ def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str,
     if not d.is_dir():
         raise BadInput(
             f"data.path={cfg.path}: missing {d}/ (expected the ImageFolder layout "
-            f"{cfg.path}/train/<class>/*.png and {cfg.path}/val/<class>/*.png). Fix: point --data.path at "
-            f"such a root, or generate one with `{_make_data_hint(cfg)}`.")
+            f"{cfg.path}/train/<class>/*.png and {cfg.path}/val/<class>/*.png).",
+            f"point --data.path at such a root, or generate one with `{_make_data_hint(cfg)}`.",
+            setting="data.path", value=cfg.path)
     classes = [e.name for e in _list_dir(d, "split folder") if e.is_dir()]
     if len(classes) != cfg.num_classes:
         shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
+        at_least = ""
+        if len(classes) < 2:
+            at_least = " (at least 2)"
         raise BadInput(
-            f"data.num_classes={cfg.num_classes} but {d} has {len(classes)} class folders ({shown}). "
-            f"Fix: pass --data.num-classes {len(classes)}" + (" (at least 2)" if len(classes) < 2 else "")
-            + " or point --data.path at the right dataset.")
+            f"data.num_classes={cfg.num_classes} but {d} has {len(classes)} class folders ({shown}).",
+            f"pass --data.num-classes {len(classes)}{at_least} or point --data.path at the right dataset.",
+            setting="data.num_classes", value=cfg.num_classes)
     samples = []
     for label, name in enumerate(classes):
         files = [e.path for e in _list_dir(d / name, "class folder")
                  if e.name.lower().endswith(IMG_EXTENSIONS) and e.is_file()]
         if not files:
             raise BadInput(
-                f"data.path: class folder {d / name} holds no image files ({', '.join(IMG_EXTENSIONS)}). "
-                f"Fix: add images to it or remove the folder from both {cfg.path}/train and {cfg.path}/val.")
+                f"data.path: class folder {d / name} holds no image files ({', '.join(IMG_EXTENSIONS)}).",
+                f"add images to it or remove the folder from both {cfg.path}/train and {cfg.path}/val.",
+                setting="data.path", value=cfg.path)
         samples.extend((f, label) for f in files)
     return classes, samples
 
@@ -105,9 +110,10 @@ def validate_data(cfg: DataConfig) -> DataLayout | None:
     if not cfg.path.is_dir():
         what = "is not a directory" if cfg.path.exists() else "does not exist"
         raise BadInput(
-            f"data.path={cfg.path} {what}. Fix: generate the demo dataset with `{_make_data_hint(cfg)}`, "
-            "pass --data.path pointing at an ImageFolder root holding train/ and val/, "
-            "or use --data.source synthetic.")
+            f"data.path={cfg.path} {what}.",
+            f"generate the demo dataset with `{_make_data_hint(cfg)}`, pass --data.path pointing at an "
+            "ImageFolder root holding train/ and val/, or use --data.source synthetic.",
+            setting="data.path", value=cfg.path)
     train_classes, train = _scan_split(cfg, "train")
     val_classes, val = _scan_split(cfg, "val")
     if train_classes != val_classes:
@@ -115,7 +121,8 @@ def validate_data(cfg: DataConfig) -> DataLayout | None:
         only_v = sorted(set(val_classes) - set(train_classes))
         raise BadInput(
             f"data.path={cfg.path}: train/ and val/ class folders differ (only in train: {only_t}, "
-            f"only in val: {only_v}). Fix: give both splits the same class folder names.")
+            f"only in val: {only_v}).", "give both splits the same class folder names.",
+            setting="data.path", value=cfg.path)
     return DataLayout(tuple(train_classes), tuple(train), tuple(val))
 
 
@@ -130,8 +137,9 @@ def decode(path: str) -> torch.Tensor:
         return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
     except Exception as e:  # noqa: BLE001 - PIL raises OSError, ValueError, DecompressionBombError, ...
         raise BadInput(
-            f"data: cannot read image file {path} ({type(e).__name__}: {str(e).strip()[:200]}). "
-            "Fix: delete or replace this file (it is truncated, corrupt or unreadable).") from None
+            f"data: cannot read image file {path} ({type(e).__name__}: {str(e).strip()[:200]}).",
+            "delete or replace this file (it is truncated, corrupt or unreadable).",
+            setting="data.path", value=path) from None
 
 
 class ImageFiles(Dataset):
@@ -143,6 +151,13 @@ class ImageFiles(Dataset):
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def __getitems__(self, keys: list[tuple[int, int] | int]) -> list[tuple[torch.Tensor, int]] | WorkerFailure:
+        """One batch's samples (DataLoader's fetcher calls this), or the error that stopped it, as data."""
+        try:
+            return [self[key] for key in keys]
+        except JobError as err:
+            return WorkerFailure(err)
 
     def __getitem__(self, key: tuple[int, int] | int) -> tuple[torch.Tensor, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
@@ -177,20 +192,30 @@ def eval_transform(size: int) -> v2.Transform:
 
 
 # ---------------------------------------------------------------------------------------- loaders
-def _worker_message(msg: str) -> str:
-    """DataLoader re-raises a worker's BadInput with its traceback text; keep the user message."""
-    marker = "BadInput: "
-    if msg.startswith("Caught BadInput") and marker in msg:
-        return msg[msg.rindex(marker) + len(marker):].strip() + " (raised in a DataLoader worker)"
-    return msg
+class WorkerFailure:
+    """A batch that could not be made: carries our error from a DataLoader worker to the trainer whole.
+
+    Raised in a worker, the error would reach the trainer rebuilt by torch as ``type(err)(traceback text)``
+    (torch/utils/_utils.py ``ExceptionWrapper.reraise``): its fix, setting and value lost in text. Returned
+    as this batch instead (pickled with its attributes), ``CleanErrors`` raises it in the trainer as it was.
+    """
+
+    def __init__(self, error: JobError) -> None:
+        self.error = error
 
 
-class DataStall(RuntimeError):
-    """The DataLoader workers delivered nothing within data.loader_timeout_s (exit 1, not a collective timeout)."""
+def collate(batch: list[tuple[torch.Tensor, int]] | WorkerFailure) -> Batch | WorkerFailure:
+    """DataLoader ``collate_fn``: default_collate, passing failures (a sample's, the worker start's) on."""
+    failed_start = init_error()
+    if failed_start is not None:
+        return WorkerFailure(failed_start)
+    if isinstance(batch, WorkerFailure):
+        return batch
+    return default_collate(batch)
 
 
 class CleanErrors:
-    """Wraps a DataLoader so that a worker's BadInput reaches the caller as the plain message."""
+    """Wraps a DataLoader: a worker's error reaches the caller as itself, a stalled loader as DataStall."""
 
     def __init__(self, loader: DataLoader):
         self.loader = loader
@@ -199,16 +224,23 @@ class CleanErrors:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Batch]:
+        for batch in self._batches():
+            if isinstance(batch, WorkerFailure):
+                raise batch.error
+            yield batch
+
+    def _batches(self) -> Iterator[Batch | WorkerFailure]:
         try:
             yield from self.loader
-        except BadInput as e:
-            raise BadInput(_worker_message(str(e))) from None
         except RuntimeError as e:
+            # torch raises a plain RuntimeError for data.loader_timeout_s (dataloader.py _try_get_data):
+            # no type to tell it by, so its text does.
             if "DataLoader timed out" not in str(e):
                 raise
-            raise DataStall(f"{e}: the DataLoader workers delivered no batch within data.loader_timeout_s="
-                            f"{self.loader.timeout}. Fix: look for a worker traceback above, check the data path's "
-                            "storage, or raise the setting.") from None
+            timeout = self.loader.timeout
+            raise DataStall(f"{e}: the DataLoader workers delivered no batch within data.loader_timeout_s={timeout}.",
+                            "look for a worker traceback above, check the data path's storage, or raise the setting.",
+                            setting="data.loader_timeout_s", value=timeout) from None
 
 
 class TensorBatches:
@@ -258,13 +290,23 @@ class Loaders:
             position.micro_batches_in_epoch = 0
 
 
-def _check_size(n: int, sampler: ResumableSampler, what: str) -> None:
+def check_train_size(cfg: DataConfig, layout: DataLayout | None, world_size: int, micro_batch_size: int,
+                     grad_accum_steps: int) -> None:
+    """At least one global batch in the training set (``layout`` from validate_data; None: synthetic).
+
+    Raises:
+        BadInput: naming the data setting, the sample count and the batch arithmetic.
+    """
+    n, setting, value = cfg.synthetic_train_size, "data.synthetic_train_size", str(cfg.synthetic_train_size)
+    if layout is not None:
+        n, setting, value = len(layout.train), "data.path", str(cfg.path)
+    sampler = ResumableSampler(n, 0, world_size, micro_batch_size, 0, grad_accum_steps)
     if sampler.batches_per_epoch == 0:
         raise BadInput(
-            f"{what}: the training set has {n} samples, fewer than one global batch "
+            f"{setting}={value}: the training set has {n} samples, fewer than one global batch "
             f"({sampler.accum} accumulation steps x {sampler.world_size} ranks x micro batch "
-            f"{sampler.micro_batch_size} = {sampler.accum * sampler.row}). Fix: lower "
-            "--train.global-batch-size or use a larger training set.")
+            f"{sampler.micro_batch_size} = {sampler.accum * sampler.row}).",
+            "lower --train.global-batch-size or use a larger training set.", setting=setting, value=value)
 
 
 def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: int, seed: int,
@@ -274,8 +316,8 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
         return _synthetic(cfg, rank, world_size, micro_batch_size, seed, device, grad_accum_steps)
     layout = validate_data(cfg)
     assert layout is not None
+    check_train_size(cfg, layout, world_size, micro_batch_size, grad_accum_steps)
     sampler = ResumableSampler(len(layout.train), rank, world_size, micro_batch_size, seed, grad_accum_steps)
-    _check_size(len(layout.train), sampler, f"data.path={cfg.path}")
     kw: dict[str, Any] = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
         if socket_tempdir_too_long():
@@ -287,11 +329,11 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
                   timeout=cfg.loader_timeout_s)
     train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
     train = WorkerTrackingLoader(train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
-                       generator=torch.Generator().manual_seed(seed), **kw)
+                       collate_fn=collate, generator=torch.Generator().manual_seed(seed), **kw)
     val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
     val_sampler = ShardSampler(len(val_ds), rank, world_size)
     val = WorkerTrackingLoader(val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False,
-                     generator=torch.Generator().manual_seed(seed), **kw)
+                     collate_fn=collate, generator=torch.Generator().manual_seed(seed), **kw)
     r = val_sampler.indices
     return Loaders(CleanErrors(train), sampler, CleanErrors(val),
                    ValInfo(len(val_ds), r.start, r.stop, layout.classes))
@@ -310,8 +352,8 @@ def _synthetic(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: in
 
     train_x, train_y = make(cfg.synthetic_train_size)
     val_x, val_y = make(cfg.synthetic_val_size)
+    check_train_size(cfg, None, world_size, micro_batch_size, grad_accum_steps)
     sampler = ResumableSampler(cfg.synthetic_train_size, rank, world_size, micro_batch_size, seed, grad_accum_steps)
-    _check_size(cfg.synthetic_train_size, sampler, f"data.synthetic_train_size={cfg.synthetic_train_size}")
     val_sampler = ShardSampler(cfg.synthetic_val_size, rank, world_size)
     r = val_sampler.indices
     classes = tuple(f"class_{c:02d}" for c in range(cfg.num_classes))

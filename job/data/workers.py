@@ -17,10 +17,11 @@ import weakref
 
 from torch.utils.data import DataLoader
 
-from job.errors import BadInput
+from job.errors import BadInput, JobError
 from job.train.preempt import ignore_stop_signals
 
 _WORKERS: "weakref.WeakSet[multiprocessing.process.BaseProcess]" = weakref.WeakSet()
+_INIT_ERROR: list[JobError] = []  # in a worker: why init_worker failed (sent with its first batch)
 
 
 class WorkerTrackingLoader(DataLoader):
@@ -91,8 +92,9 @@ def use_short_socket_tempdir() -> str | None:
         return short
     limit = _SUN_PATH_MAX - _SOCKET_NAME - _TEMPDIR_NAME
     raise BadInput(f"TMPDIR={tempfile.gettempdir()} is too long ({len(tempfile.gettempdir())} characters) for the "
-                   f"DataLoader workers' Unix sockets, and /tmp, /var/tmp and /dev/shm are not writable. Fix: set "
-                   f"TMPDIR to a writable directory of at most {limit} characters, or --data.num-workers 0.")
+                   "DataLoader workers' Unix sockets, and /tmp, /var/tmp and /dev/shm are not writable.",
+                   f"set TMPDIR to a writable directory of at most {limit} characters, or --data.num-workers 0.",
+                   setting="TMPDIR", value=tempfile.gettempdir())
 
 
 def init_worker(worker_id: int) -> None:
@@ -102,4 +104,16 @@ def init_worker(worker_id: int) -> None:
     the trainer's exit (``os._exit``, job.cli.entrypoint) would skip.
     """
     ignore_stop_signals(worker_id)
-    use_short_socket_tempdir()
+    try:
+        use_short_socket_tempdir()
+    except JobError as err:
+        # Raised here, torch would rebuild it in the trainer from its traceback text; job.data.loaders.collate
+        # sends it, whole, in place of this worker's first batch instead.
+        _INIT_ERROR.append(err)
+
+
+def init_error() -> JobError | None:
+    """In a DataLoader worker: the error that made ``init_worker`` fail, if any."""
+    if _INIT_ERROR:
+        return _INIT_ERROR[0]
+    return None

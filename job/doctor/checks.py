@@ -241,9 +241,7 @@ def check_data(cfg: JobConfig) -> Check:
     try:
         layout = validate_data(cfg.data)
     except BadInput as e:
-        msg = str(e)
-        detail, _, fix = msg.partition(" Fix: ")
-        return Check("storage.data", FAIL, detail, fix or "fix data.path / data.num_classes")
+        return Check("storage.data", FAIL, e.what, e.fix or "fix data.path / data.num_classes")
     if layout is None:
         return Check("storage.data", PASS, "data.source=synthetic: nothing to read")
     path = layout.train[0][0]

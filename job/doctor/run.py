@@ -37,12 +37,10 @@ from job.doctor import checks as dc
 from job.config import JobConfig, config_to_dict, flatten, load_config
 from job.doctor.checks import FAIL, ORDER, PASS, WARN, Check
 from job.launchers.env import DistEnv, detect_env
-from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, DoctorFailed
 from job.config.plan import make_plan
 
 
-class DoctorFailed(RuntimeError):
-    """A rendezvous/communication FAIL in train's doctor phase: exit 1, a restart may help."""
 
 
 def config_hash(flat: Mapping[str, Any]) -> str:
@@ -72,8 +70,7 @@ def local_checks(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str,
         plan = make_plan(cfg, env.world_size)
         micro = plan.micro_batch_size
     except BadInput as e:
-        detail, _, fix = str(e).partition(" Fix: ")
-        checks.append(Check("config.batch", FAIL, detail, fix))
+        checks.append(Check("config.batch", FAIL, e.what, e.fix))
         micro = max(1, cfg.train.global_batch_size // env.world_size)
     checks.append(dc.check_gpus(env, backend, torch.cuda.device_count() if torch.cuda.is_available() else 0))
     vers = dc.versions()
@@ -84,8 +81,7 @@ def local_checks(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str,
         try:
             ckpt_bytes = dc.checkpoint_bytes(cfg)
         except BadInput as e:
-            detail, _, fix = str(e).partition(" Fix: ")
-            checks.append(Check("config.model", FAIL, detail, fix))
+            checks.append(Check("config.model", FAIL, e.what, e.fix))
             ckpt_bytes = 0
         checks += dc.check_run_dir(cfg.run_dir, ckpt_bytes, cfg.ckpt.keep_last, create=full)
     if full and env.local_rank == 0:  # train's own preflight already validates the data
@@ -311,7 +307,9 @@ def setup_checked(cfg: JobConfig, env: DistEnv, environ: Mapping[str, str] | Non
     if rt is not None:
         distributed.teardown()
     fails = "\n  ".join(f"{m['line']} -- fix: {m['fix']}" for m in merged if m["status"] == FAIL)
-    raise (DoctorFailed if code == EXIT_FAILURE else BadInput)(f"preflight checks failed (run `ddp-job doctor` for the full report):\n  {fails}")
+    error = DoctorFailed if code == EXIT_FAILURE else BadInput
+    raise error(f"preflight checks failed (run `ddp-job doctor` for the full report):\n  {fails}",
+                setting="doctor.enabled", value=True)
 
 
 def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
@@ -325,9 +323,8 @@ def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
     try:
         env = detect_env(environ)
     except BadInput as e:
-        detail, _, fix = str(e).partition(" Fix: ")
-        print(f"FAIL topology.launcher         {detail}\n     fix: {fix}", flush=True)
-        _write_report(cfg.run_dir, {"checks": [{"name": "topology.launcher", "status": FAIL, "detail": detail, "fix": fix}]},
+        print(f"FAIL topology.launcher         {e.what}\n     fix: {e.fix}", flush=True)
+        _write_report(cfg.run_dir, {"checks": [{"name": "topology.launcher", "status": FAIL, "detail": e.what, "fix": e.fix}]},
                       "doctor.json")
         return EXIT_BAD_INPUT
     merged, rt, report = _run(cfg, env, True, environ)

@@ -90,13 +90,15 @@ class DistEnv:
 def _int(environ: Mapping[str, str], name: str, *, minimum: int = 0, fix: str = "") -> int:
     raw = environ.get(name)
     if raw is None:
-        raise BadInput(f"{name} is not set. {fix or 'Fix: set it, or launch with ddp-job launch / torchrun.'}")
+        raise BadInput(f"{name} is not set.", fix or "set it, or launch with ddp-job launch / torchrun.", setting=name)
     try:
         value = int(raw.strip())
     except ValueError:
-        raise BadInput(f"{name}={raw!r} is not an integer. {fix or f'Fix: set {name} to a whole number.'}") from None
+        raise BadInput(f"{name}={raw!r} is not an integer.", fix or f"set {name} to a whole number.",
+                       setting=name, value=raw) from None
     if value < minimum:
-        raise BadInput(f"{name}={raw!r} must be >= {minimum}. {fix or f'Fix: set {name} to a number >= {minimum}.'}")
+        raise BadInput(f"{name}={raw!r} must be >= {minimum}.", fix or f"set {name} to a number >= {minimum}.",
+                       setting=name, value=raw)
     return value
 
 
@@ -108,7 +110,8 @@ def _first(environ: Mapping[str, str], *names: str) -> str | None:
 def _port(environ: Mapping[str, str], name: str) -> int:
     port = _int(environ, name, minimum=1)
     if port > 65535:
-        raise BadInput(f"{name}={environ[name]!r} is not a TCP port. Fix: set {name} to a port in 1..65535.")
+        raise BadInput(f"{name}={environ[name]!r} is not a TCP port.", f"set {name} to a port in 1..65535.",
+                       setting=name, value=environ[name])
     return port
 
 
@@ -116,7 +119,8 @@ def _check_layout(env: DistEnv, names: Mapping[str, str]) -> DistEnv:
     """Cross-checks shared by all launchers. ``names`` maps a DistEnv field to the variable it came from."""
 
     def bad(field: str, value: int, rule: str, fix: str) -> BadInput:
-        return BadInput(f"{names.get(field, field)}={value} {rule} (launcher={env.launcher}). Fix: {fix}")
+        name = names.get(field, field)
+        return BadInput(f"{name}={value} {rule} (launcher={env.launcher}).", fix, setting=name, value=value)
 
     if env.world_size < 1:
         raise bad("world_size", env.world_size, "must be >= 1", "start at least one process.")
@@ -155,7 +159,7 @@ def _is_torchrun(environ: Mapping[str, str]) -> bool:
 
 
 def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
-    fix = "Fix: under torchrun (TORCHELASTIC_RUN_ID is set) the agent sets this for every worker; do not set or override it yourself."
+    fix = "under torchrun (TORCHELASTIC_RUN_ID is set) the agent sets this for every worker; do not set or override it yourself."
     world = _int(environ, "WORLD_SIZE", minimum=1, fix=fix)
     local_world = _int(environ, "LOCAL_WORLD_SIZE", minimum=1, fix=fix)
     # torchrun gives every node the same --nproc-per-node, so WORLD_SIZE = GROUP_WORLD_SIZE x LOCAL_WORLD_SIZE.
@@ -165,8 +169,9 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         nodes = world // local_world
     if nodes * local_world != world:
         raise BadInput(
-            f"WORLD_SIZE={world} is not GROUP_WORLD_SIZE={nodes} x LOCAL_WORLD_SIZE={local_world} under torchrun. "
-            "Fix: do not set WORLD_SIZE/LOCAL_WORLD_SIZE/GROUP_WORLD_SIZE yourself; torchrun sets them."
+            f"WORLD_SIZE={world} is not GROUP_WORLD_SIZE={nodes} x LOCAL_WORLD_SIZE={local_world} under torchrun.",
+            "do not set WORLD_SIZE/LOCAL_WORLD_SIZE/GROUP_WORLD_SIZE yourself; torchrun sets them.",
+            setting="WORLD_SIZE", value=world,
         )
     env = DistEnv(
         rank=_int(environ, "RANK", fix=fix),
@@ -212,8 +217,9 @@ def _from_env_contract(environ: Mapping[str, str]) -> DistEnv:
         # Guessing (e.g. "all on one node") would be right on some nodes and wrong on others; every rank
         # failing the same way at once beats node 0 waiting for peers that exited.
         raise BadInput(
-            f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} are set but LOCAL_WORLD_SIZE is not. "
-            "Fix: also export LOCAL_WORLD_SIZE (processes on this node), or launch with ddp-job launch / torchrun."
+            f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local_rank} are set but LOCAL_WORLD_SIZE is not.",
+            "also export LOCAL_WORLD_SIZE (processes on this node), or launch with ddp-job launch / torchrun.",
+            setting="LOCAL_WORLD_SIZE",
         )
     node_var = _first(environ, "GROUP_RANK", "NODE_RANK")
     # Without a node variable assume block placement (ranks of a node are consecutive), as torchrun and
@@ -223,16 +229,17 @@ def _from_env_contract(environ: Mapping[str, str]) -> DistEnv:
         nodes = _int(environ, "GROUP_WORLD_SIZE", minimum=1)
     elif world % local_world:
         raise BadInput(
-            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}, so the node count is unknown. "
-            "Fix: export GROUP_WORLD_SIZE (number of nodes) and GROUP_RANK (this node's index) as well."
+            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}, so the node count is unknown.",
+            "export GROUP_WORLD_SIZE (number of nodes) and GROUP_RANK (this node's index) as well.",
+            setting="GROUP_WORLD_SIZE",
         )
     else:
         nodes = world // local_world
     if world > 1 and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in environ]
         raise BadInput(
-            f"RANK/WORLD_SIZE={world}/LOCAL_RANK are set but {' and '.join(missing)} not. "
-            "Fix: export MASTER_ADDR (host of rank 0) and MASTER_PORT (a free port on it)."
+            f"RANK/WORLD_SIZE={world}/LOCAL_RANK are set but {' and '.join(missing)} not.",
+            "export MASTER_ADDR (host of rank 0) and MASTER_PORT (a free port on it).", setting=missing[0],
         )
     env = DistEnv(
         rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
@@ -264,13 +271,13 @@ def _from_kubeflow(environ: Mapping[str, str]) -> DistEnv:
     if nproc > 1:
         raise BadInput(
             f"PET_NPROC_PER_NODE={nproc_raw!r}: this pod should run {nproc} processes but was started as one "
-            f"(RANK counts pods, WORLD_SIZE counts processes). Fix: {_LAUNCH_FIX}"
+            "(RANK counts pods, WORLD_SIZE counts processes).", _LAUNCH_FIX, setting="PET_NPROC_PER_NODE", value=nproc_raw,
         )
     nnodes_raw = environ.get("PET_NNODES", "1").strip()
     if ":" in nnodes_raw:
         raise BadInput(
             f"PET_NNODES={nnodes_raw!r} is an elastic range (elasticPolicy): only torchrun's c10d rendezvous "
-            f"assigns ranks then. Fix: {_LAUNCH_FIX}"
+            "assigns ranks then.", _LAUNCH_FIX, setting="PET_NNODES", value=nnodes_raw,
         )
     nnodes = _int(environ, "PET_NNODES", minimum=1) if "PET_NNODES" in environ else 1
     if "RANK" not in environ:
@@ -278,17 +285,19 @@ def _from_kubeflow(environ: Mapping[str, str]) -> DistEnv:
             return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", SINGLE_PORT, "kubeflow")
         raise BadInput(
             f"PET_NNODES={nnodes_raw} pods but RANK/WORLD_SIZE are not set (a PyTorchJob without a Master "
-            f"replica). Fix: {_LAUNCH_FIX}"
+            "replica).", _LAUNCH_FIX, setting="RANK",
         )
     world = _int(environ, "WORLD_SIZE", minimum=1)
     if "PET_NNODES" in environ and world != nnodes * nproc:
         raise BadInput(
-            f"WORLD_SIZE={world} but PET_NNODES={nnodes} pods x 1 process: the pod's env was edited. "
-            "Fix: do not set WORLD_SIZE, RANK, MASTER_* or PET_* in the manifest; the operator sets them."
+            f"WORLD_SIZE={world} but PET_NNODES={nnodes} pods x 1 process: the pod's env was edited.",
+            "do not set WORLD_SIZE, RANK, MASTER_* or PET_* in the manifest; the operator sets them.",
+            setting="WORLD_SIZE", value=world,
         )
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in environ and world > 1:
-            raise BadInput(f"{name} is not set in a PyTorchJob pod with WORLD_SIZE={world}. Fix: give the job a Master replica.")
+            raise BadInput(f"{name} is not set in a PyTorchJob pod with WORLD_SIZE={world}.", "give the job a Master replica.",
+                           setting=name)
     rank = _int(environ, "RANK")
     env = DistEnv(
         rank=rank, local_rank=0, world_size=world, local_world_size=1,
@@ -312,7 +321,7 @@ def _is_slurm_step(environ: Mapping[str, str]) -> bool:
 
 
 def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
-    fix = "Fix: srun sets this for every task; launch one task per process with `srun ... ddp-job train` and do not override SLURM_*."
+    fix = "srun sets this for every task; launch one task per process with `srun ... ddp-job train` and do not override SLURM_*."
     world_var = _first(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") or "SLURM_NTASKS"
     world = _int(environ, world_var, minimum=1, fix=fix)
     node_rank = _int(environ, "SLURM_NODEID", fix=fix)
@@ -324,16 +333,17 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
         try:
             per_node = parse_slurm_tasks_per_node(environ[tpn_var])
         except ValueError as e:
-            raise BadInput(f"{tpn_var}={environ[tpn_var]!r}: {e}. {fix}") from None
+            raise BadInput(f"{tpn_var}={environ[tpn_var]!r}: {e}.", fix, setting=tpn_var, value=environ[tpn_var]) from None
     nodes = _int(environ, nodes_var, minimum=1, fix=fix) if nodes_var else len(per_node or [1])
     if per_node is None:
         if world % nodes:
-            raise BadInput(f"SLURM_TASKS_PER_NODE is not set and {world_var}={world} is not a multiple of {nodes_var}={nodes}. {fix}")
+            raise BadInput(f"SLURM_TASKS_PER_NODE is not set and {world_var}={world} is not a multiple of {nodes_var}={nodes}.",
+                           fix, setting=world_var, value=world)
         per_node = [world // nodes] * nodes
     if len(per_node) != nodes or sum(per_node) != world:
         raise BadInput(
             f"{tpn_var}={environ.get(tpn_var)!r} describes {len(per_node)} nodes / {sum(per_node)} tasks but "
-            f"{nodes_var}={nodes} and {world_var}={world}. {fix}"
+            f"{nodes_var}={nodes} and {world_var}={world}.", fix, setting=tpn_var, value=environ.get(tpn_var),
         )
     local_world = per_node[node_rank] if node_rank < nodes else 0
     if "MASTER_ADDR" in environ:
@@ -341,17 +351,20 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
     else:
         list_var = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
         if list_var is None:
-            raise BadInput("neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is set in an srun step. Fix: export MASTER_ADDR.")
+            raise BadInput("neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is set in an srun step.",
+                           "export MASTER_ADDR.", setting="MASTER_ADDR")
         try:
             master_addr = expand_slurm_nodelist(environ[list_var])[0]
         except ValueError as e:
-            raise BadInput(f"{list_var}={environ[list_var]!r}: {e}. Fix: export MASTER_ADDR (host of rank 0).") from None
+            raise BadInput(f"{list_var}={environ[list_var]!r}: {e}.", "export MASTER_ADDR (host of rank 0).",
+                           setting=list_var, value=environ[list_var]) from None
     if "MASTER_PORT" in environ:
         master_port = _port(environ, "MASTER_PORT")
     else:
         job_var = _first(environ, "SLURM_JOB_ID", "SLURM_JOBID")
         if job_var is None:
-            raise BadInput("neither MASTER_PORT nor SLURM_JOB_ID is set in an srun step. Fix: export MASTER_PORT.")
+            raise BadInput("neither MASTER_PORT nor SLURM_JOB_ID is set in an srun step.", "export MASTER_PORT.",
+                           setting="MASTER_PORT")
         master_port = slurm_master_port(environ[job_var])
     env = DistEnv(
         rank=_int(environ, "SLURM_PROCID", fix=fix),
@@ -377,8 +390,9 @@ def _from_single(environ: Mapping[str, str]) -> DistEnv:
     if partial:
         shown = " ".join(f"{k}={v}" for k, v in partial.items())
         raise BadInput(
-            f"{shown} is set but not all of RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE). "
-            "Fix: export all of them plus MASTER_ADDR/MASTER_PORT, or unset them, or launch with ddp-job launch / torchrun."
+            f"{shown} is set but not all of RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE).",
+            "export all of them plus MASTER_ADDR/MASTER_PORT, or unset them, or launch with ddp-job launch / torchrun.",
+            setting=next(iter(partial)), value=next(iter(partial.values())),
         )
     port = _port(environ, "MASTER_PORT") if "MASTER_PORT" in environ else SINGLE_PORT
     return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", port, "single")

@@ -4,7 +4,7 @@
     ddp-job submit --gpus-per-node 0 --tasks-per-node 2 --sweep optim.lr=0.1,0.2 --wait -- --train.steps 50
 
 One submitit task per GPU (CPU: ``--tasks-per-node``); each task is one rank and runs
-``job.train.run.main`` in-process with the env contract (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) exported by
+``ddp-job train`` in-process (``job.cli.main``) with the env contract (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) exported by
 ``submitit.helpers.TorchDistributedEnvironment`` (without its one-GPU-per-task CUDA_VISIBLE_DEVICES:
 the trainer picks ``cuda:LOCAL_RANK`` itself and NCCL wants to see the peers' GPUs).
 
@@ -38,22 +38,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import submitit
+from submitit.core import utils as submitit_utils
 
-from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
+from job.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, BadInput, TrainingFailed
 from job.launchers import stop
 from job.launchers.stop import STOP_SIGNALS
 
-
-
-class TrainingFailed(RuntimeError):
-    """Training returned a non-zero exit code other than 143."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(f"ddp-job train exited with exit code {code}")
-        self.code = code
+DEFAULT_OUTPUT_DIR = Path("runs")
+# The train flags that choose the run directory (both spellings load_config accepts) and what they set.
+RUN_DIR_FLAGS = {"--run.output-dir": "output_dir", "--run.output_dir": "output_dir", "--run.name": "name"}
 
 
 # ---------------------------------------------------------------- pure helpers (unit-testable)
@@ -62,7 +58,8 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
     key, sep, values = spec.partition("=")
     items = [v for v in values.split(",") if v != ""]
     if not sep or not re.fullmatch(r"[a-z_]+\.[a-z0-9_-]+", key) or not items:
-        raise BadInput(f"--sweep {spec!r} is not section.field=v1,v2,...; e.g. --sweep optim.lr=0.1,0.2")
+        raise BadInput(f"--sweep {spec!r} is not section.field=v1,v2,...", "write it as e.g. --sweep optim.lr=0.1,0.2.",
+                       setting="--sweep", value=spec)
     return key, items
 
 
@@ -87,10 +84,57 @@ def trainer_stop_signals(train_args: Sequence[str], submitit_signal: str) -> lis
             if submitit_signal in value:
                 raise BadInput(
                     f"--train.stop-signals {value!r} includes {submitit_signal}, which submitit needs for "
-                    f"checkpoint-and-requeue; remove it (the submit task turns {submitit_signal} into the STOP file)."
+                    "checkpoint-and-requeue.",
+                    f"remove it (the submit task turns {submitit_signal} into the STOP file).",
+                    setting="--train.stop-signals", value=value,
                 )
             return []  # the user's list stands
     return ["--train.stop-signals", ",".join(s for s in STOP_SIGNALS if s != submitit_signal)]
+
+
+def split_run_dir_args(train_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Take the user's ``--run.output-dir`` / ``--run.name`` (``--x v`` or ``--x=v``, either spelling) out of
+    the train arguments: ``{"output_dir": ..., "name": ...}`` for what was given, and the rest. Submit passes
+    the run directory itself, once, so the directory it prints, watches and resumes is the one training uses.
+    """
+    rest: list[str] = []
+    given: dict[str, str] = {}
+    args = iter(train_args)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        key = RUN_DIR_FLAGS.get(flag)
+        if key is None:
+            rest.append(arg)
+            continue
+        if not eq:
+            value = next(args, "")
+        if not value or value.startswith("--"):
+            raise BadInput(f"train argument {flag} has no value.", f"pass {flag} DIR (or {flag}=DIR), or leave it out.",
+                           setting=flag, value=value)
+        given[key] = value
+    return rest, given
+
+
+def _pick(option: str, own: Any, flag: str, given: str | None) -> Any:
+    """The train argument wins over the default; both given and different is refused (which one was meant?)."""
+    if given is None:
+        return own
+    if own is not None and Path(str(own)) != Path(given):  # Path: "runs/" and "runs" are one directory
+        raise BadInput(f"ddp-job submit {option} {own} and the train argument {flag} {given} disagree.",
+                       f"give the run directory once: {option} or {flag}.", setting=flag, value=given)
+    return given
+
+
+def run_dir_choice(args: argparse.Namespace, given: dict[str, str]) -> tuple[Path, str]:
+    """``(output_dir, base run name)`` from submit's ``--output-dir``/``--name`` and the train arguments'
+    ``--run.output-dir``/``--run.name`` (as slurm/train.sbatch: the train arguments win over the defaults)."""
+    output_dir = _pick("--output-dir", args.output_dir, "--run.output-dir", given.get("output_dir"))
+    name = _pick("--name", args.name, "--run.name", given.get("name"))
+    if output_dir is None:
+        output_dir = DEFAULT_OUTPUT_DIR
+    if name is None:
+        name = f"{args.job_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    return Path(output_dir).resolve(), name
 
 
 def run_argv(train_args: Sequence[str], output_dir: Path, name: str, extra: Sequence[str], submitit_signal: str) -> list[str]:
@@ -111,7 +155,8 @@ def node_address(name: str) -> str:
     out = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=30).stdout
     match = re.search(r"\bNodeAddr=(\S+)", out)
     if not match:
-        raise BadInput(f"node name {name!r} does not resolve and `scontrol show node {name}` shows no NodeAddr; fix the node's DNS/hosts entry")
+        raise BadInput(f"node name {name!r} does not resolve and `scontrol show node {name}` shows no NodeAddr.",
+                       "fix the node's DNS/hosts entry.", setting="MASTER_ADDR", value=name)
     return match.group(1)
 
 
@@ -129,7 +174,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         self.preempt_grace_s = preempt_grace_s
 
     def __call__(self) -> int:
-        from job.train import run as train  # heavy (torch): import in the job, not at submission
+        from job import cli  # heavy (torch, later): import in the job, not at submission
 
         dist_env = submitit.helpers.TorchDistributedEnvironment()
         # This process is the launcher of its rank, so setting its own environment is its job.
@@ -144,7 +189,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         chain = _SignalChain(usr_sig, run_dir, dist_env.rank, self.preempt_grace_s)
         chain.install()
         try:
-            code = train.main(self.argv)
+            code = cli.main(["train", *self.argv])  # errors printed and mapped to exit codes as by `ddp-job train`
         finally:
             chain.cancel_deadline()
         if code == EXIT_OK:
@@ -157,12 +202,28 @@ class TrainTask(submitit.helpers.Checkpointable):
             # No result file: the job is being requeued (by submitit above or by Slurm after SIGTERM)
             # or was cancelled; a result would make the next attempt look finished.
             os._exit(EXIT_PREEMPTED)
-        raise TrainingFailed(code)
+        _end_failed(code)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         # Called by submitit on global rank 0 only, inside its signal handler: no collectives, no save.
         # The new job resumes from the newest complete checkpoint in run_dir.
         return submitit.helpers.DelayedSubmission(TrainTask(self.argv, self.run_dir, self.preempt_grace_s))
+
+
+def _end_failed(code: int) -> NoReturn:
+    """Record ``code`` as this task's result and leave the process with it.
+
+    A task that raises reaches ``job.results()`` only as text (submitit pickles ``traceback.format_exc()``),
+    so the exit code is written as the task's result instead, into submitit's result file, where
+    ``job.results()`` returns it as a number. Exiting with the code keeps the Slurm job FAILED (``afterok``
+    dependencies, accounting) and shows the code in ``sacct``.
+    """
+    paths = submitit.JobEnvironment().paths
+    with submitit_utils.temporary_save_path(paths.result_pickle) as tmp:
+        submitit_utils.cloudpickle_dump(("success", code), tmp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _SignalChain:
@@ -225,8 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--qos", default=None)
     a("--job-name", default="ddp-job")
     a("--log-folder", type=Path, default=Path("logs/submitit"), help="submitit folder: logs, pickles (default logs/submitit)")
-    a("--output-dir", type=Path, default=Path("runs"), help="run.output_dir (default runs)")
-    a("--name", default=None, help="run.name (default <job-name>-<UTC time>); a sweep appends the values")
+    a("--output-dir", type=Path, default=None,
+      help=f"run.output_dir (default: the train argument --run.output-dir, else {DEFAULT_OUTPUT_DIR})")
+    a("--name", default=None, help="run.name (default: the train argument --run.name, else <job-name>-<UTC time>); "
+      "a sweep appends the values")
     a("--sweep", action="append", default=[], metavar="SECTION.FIELD=V1,V2", help="one array task per value (repeat for a grid)")
     a("--max-requeues", type=int, default=3, help="how often a timed-out job is resubmitted (default 3)")
     a("--signal-delay", type=int, default=120, help="seconds before the time limit that Slurm sends the signal (default 120)")
@@ -238,9 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _executor(args: argparse.Namespace) -> submitit.AutoExecutor:
     if args.gpus_per_node < 0 or args.nodes < 1:
-        raise BadInput(f"--nodes {args.nodes} / --gpus-per-node {args.gpus_per_node}: need nodes >= 1 and gpus >= 0")
+        raise BadInput(f"--nodes {args.nodes} / --gpus-per-node {args.gpus_per_node}: need nodes >= 1 and gpus >= 0.",
+                       "pass --nodes 1 or more and --gpus-per-node 0 or more.", setting="--nodes/--gpus-per-node")
     if args.gpus_per_node > 0 and args.tasks_per_node not in (None, args.gpus_per_node):
-        raise BadInput(f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: one task per GPU; drop --tasks-per-node")
+        raise BadInput(f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: one task per GPU.",
+                       "drop --tasks-per-node.", setting="--tasks-per-node", value=args.tasks_per_node)
     tasks = args.gpus_per_node or args.tasks_per_node or 1
     ex = submitit.AutoExecutor(folder=args.log_folder, cluster=args.cluster, slurm_max_num_timeout=args.max_requeues)
     params: dict[str, Any] = dict(name=args.job_name, nodes=args.nodes, tasks_per_node=tasks, timeout_min=args.time)
@@ -267,8 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, train_args = build_parser().parse_known_args(argv)
     usr_sig = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
     usr_sig = usr_sig if usr_sig.startswith("SIG") else f"SIG{usr_sig}"
-    output_dir = args.output_dir.resolve()
-    base = args.name or f"{args.job_name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    train_args, given = split_run_dir_args(train_args)
+    output_dir, base = run_dir_choice(args, given)
     runs = sweep_runs(base, args.sweep)
     grace = args.preempt_grace if args.preempt_grace is not None else max(args.signal_delay - 30, 10)
     tasks = [TrainTask(run_argv(train_args, output_dir, name, extra, usr_sig), str(output_dir / name), grace)
@@ -283,18 +348,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"submitted job {job.job_id} run_dir={output_dir / name} log={job.paths.stdout}", flush=True)
     if not args.wait:
         return EXIT_OK
-    worst = EXIT_OK
+    failed: dict[str, int] = {}
     for job in jobs:
-        try:
-            job.results()
-            status = EXIT_OK
-        except Exception as err:  # noqa: BLE001 - any failure of a job is reported, then the next one
-            match = re.search(r"exit code (\d+)", str(err))
-            status = int(match.group(1)) if match else 1
-            print(f"job {job.job_id} failed: {str(err).strip().splitlines()[-1] if str(err).strip() else err!r}", file=sys.stderr)
+        status = job_exit_code(job)
         print(f"job {job.job_id} done: exit={status}", flush=True)
-        worst = max(worst, status)
-    return worst
+        if status != EXIT_OK:
+            failed[job.job_id] = status
+    if failed:
+        raise TrainingFailed(failed, {job.job_id: str(job.paths.stderr) for job in jobs})
+    return EXIT_OK
+
+
+def job_exit_code(job: submitit.Job) -> int:
+    """The worst exit code of a finished job's tasks: each task's result is its training exit code (a failed
+    one records it, see ``_end_failed``). A task without a result died before it could: 1."""
+    try:
+        return max(job.results())
+    except Exception as err:  # noqa: BLE001 - any failure of a job is reported, then the next one
+        text = str(err).strip()
+        last = text.splitlines()[-1] if text else repr(err)
+        print(f"job {job.job_id} failed without an exit code: {last}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

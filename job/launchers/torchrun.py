@@ -119,16 +119,16 @@ def build_torchrun_args(argv: Sequence[str], module: str = TARGET_MODULE) -> arg
     if chosen:
         raise BadInput(
             f"ddp-job launch {' '.join(chosen)}: the worker command is always `python -m {module} {TARGET_COMMAND}` "
-            f"(or `doctor`: `ddp-job launch [options] -- doctor [args]`). "
-            "Fix: drop the option (use plain torchrun to run another program)."
+            f"(or `doctor`: `ddp-job launch [options] -- doctor [args]`).",
+            "drop the option (use plain torchrun to run another program).", setting=chosen[0],
         )
     command, rest = split_command(job_args)
     args = parser.parse_args([*options, "--module", module, command, *rest])
     # PET_NO_PYTHON / PET_RUN_PATH in the environment would change the command behind our back.
     if args.no_python or args.run_path:
         raise BadInput(
-            "PET_NO_PYTHON or PET_RUN_PATH is set: ddp-job launch always runs `python -m job train` (or doctor). "
-            "Fix: unset PET_NO_PYTHON and PET_RUN_PATH."
+            "PET_NO_PYTHON or PET_RUN_PATH is set: ddp-job launch always runs `python -m job train` (or doctor).",
+            "unset PET_NO_PYTHON and PET_RUN_PATH.", setting="PET_NO_PYTHON/PET_RUN_PATH",
         )
     return args
 

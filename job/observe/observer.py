@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from job.config import JobConfig
+from job.errors import CollectiveTimeout, JobError, is_collective_timeout
 from job.observe.metrics import memory_mb
-from job.data.loaders import DataStall
 from job.launchers.env import DistEnv
 
 log = logging.getLogger("job")
@@ -42,10 +42,6 @@ log = logging.getLogger("job")
 # Dense bf16 peak TFLOP/s per device, for MFU when observe.peak_tflops is 0 (vendor data sheets).
 PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0, "V100": 125.0}
 _FIELDS = ("step_s", "busy_s", "data_wait_frac", "peak_alloc_mb", "peak_reserved_mb", "rss_mb", "peak_rss_mb")
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective timed out; the message says which rank(s) stalled. The CLI maps it to exit 124."""
 
 
 def gpu_peak_tflops(device: torch.device) -> float:
@@ -231,23 +227,19 @@ def stall_report(run_dir: Path, world_size: int, now: float | None = None) -> st
     return verdict + ". " + "; ".join(parts)
 
 
-def _looks_like_timeout(err: BaseException) -> bool:
-    text = f"{type(err).__name__} {err}".lower()
-    return "timed out" in text or "timeout" in text and ("collective" in text or "watchdog" in text)
-
-
 @contextlib.contextmanager
 def explain_timeouts(cfg: JobConfig, env: DistEnv) -> Iterator[None]:
     """Turn a collective timeout into an error that names the stalled rank(s); other errors pass through."""
     try:
         yield
     except Exception as e:
-        if not _looks_like_timeout(e) or isinstance(e, (CollectiveTimeout, DataStall)):
-            raise  # a DataLoader stall is this rank's input pipeline, not the network: its own message says so
+        if isinstance(e, JobError) or not is_collective_timeout(e):
+            raise  # ours say what happened already (a DataLoader stall is this rank's input pipeline, not the network)
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        hint = (" NCCL flight recorder dumps (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE) "
-                "show the last collectives per rank; see docs/doctor.md.")
         raise CollectiveTimeout(
-            f"collective timed out on rank {env.rank} ({first}). {stall_report(cfg.run_dir, env.world_size)}. "
-            f"Fix: look at the stalled rank's log and host; raise dist.train_timeout_s if it is only slow.{hint}"
+            f"collective timed out on rank {env.rank} ({first}). {stall_report(cfg.run_dir, env.world_size)}.",
+            "look at the stalled rank's log and host; raise dist.train_timeout_s if it is only slow. NCCL flight "
+            "recorder dumps (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE) "
+            "show the last collectives per rank; see docs/doctor.md.",
+            setting="dist.train_timeout_s", value=cfg.dist.train_timeout_s,
         ) from e

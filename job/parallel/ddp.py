@@ -34,26 +34,28 @@ def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
     if cfg.ddp.comm_hook == "powersgd" and (cfg.dist.backend == "gloo" or not cuda_available):
         # torch's PowerSGD hook waits on a second all-reduce inside a future callback; on gloo that callback
         # runs on gloo's own worker thread and the step never finishes (hung in our 2-process CPU test).
-        raise BadInput("ddp.comm_hook='powersgd' needs the nccl backend (CUDA); on gloo its hook deadlocks. "
-                       "Fix: --ddp.comm-hook bf16 (or fp16/none) on CPU/gloo.")
+        raise BadInput("ddp.comm_hook='powersgd' needs the nccl backend (CUDA); on gloo its hook deadlocks.",
+                       "--ddp.comm-hook bf16 (or fp16/none) on CPU/gloo.", setting="ddp.comm_hook", value="powersgd")
     if cfg.train.strategy != "dp":
         return
     if not cuda_available:
         raise BadInput(
             "train.strategy='dp' needs CUDA GPUs: nn.DataParallel splits each batch over the visible GPUs of one "
-            "process, and no GPU is visible. Fix: use --train.strategy ddp (runs on CPU with gloo)."
+            "process, and no GPU is visible.", "use --train.strategy ddp (runs on CPU with gloo).",
+            setting="train.strategy", value="dp",
         )
     if world_size > 1:
         raise BadInput(
-            f"train.strategy='dp' runs in one process, but this job has world_size={world_size} processes. "
-            "Fix: start a single process (ddp-job train without torchrun, or --dist.nproc-per-node 1), "
-            "or use --train.strategy ddp."
+            f"train.strategy='dp' runs in one process, but this job has world_size={world_size} processes.",
+            "start a single process (ddp-job train without torchrun, or --dist.nproc-per-node 1), "
+            "or use --train.strategy ddp.", setting="train.strategy", value="dp",
         )
     for name, value, default in (("ddp.comm_hook", cfg.ddp.comm_hook, "none"), ("optim.zero", cfg.optim.zero, False),
                                  ("model.sync_bn", cfg.model.sync_bn, False)):
         if value != default:
             raise BadInput(f"{name}={value!r} needs train.strategy='ddp' (DataParallel has one process: nothing to "
-                           f"communicate or shard). Fix: --{name.replace('_', '-')} {str(default).lower()}, or --train.strategy ddp.")
+                           "communicate or shard).", f"--{name.replace('_', '-')} {str(default).lower()}, or --train.strategy ddp.",
+                           setting=name, value=value)
 
 
 def apply_tf32(enabled: bool) -> None:

@@ -39,7 +39,8 @@ def pick_backend(cfg: DistConfig, cuda_available: bool) -> str:
     if cfg.backend == "auto":
         return "nccl" if cuda_available else "gloo"
     if cfg.backend == "nccl" and not cuda_available:
-        raise BadInput("dist.backend='nccl' but no CUDA device is visible. Fix: use --dist.backend gloo (or auto) on CPU.")
+        raise BadInput("dist.backend='nccl' but no CUDA device is visible.", "use --dist.backend gloo (or auto) on CPU.",
+                       setting="dist.backend", value="nccl")
     return cfg.backend
 
 
@@ -56,8 +57,9 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
         # pyxis, Kubernetes device plugin with one GPU per container).
         return torch.device("cuda", 0)
     raise BadInput(
-        f"LOCAL_RANK={env.local_rank} but only {count} CUDA devices are visible. "
-        f"Fix: start at most {count} processes per node (--dist.nproc-per-node / --nproc-per-node)."
+        f"LOCAL_RANK={env.local_rank} but only {count} CUDA devices are visible.",
+        f"start at most {count} processes per node (--dist.nproc-per-node / --nproc-per-node).",
+        setting="LOCAL_RANK", value=env.local_rank,
     )
 
 

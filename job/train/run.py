@@ -26,7 +26,7 @@ from job.checkpoint.resume import agree_on_checkpoint, find_resume
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
-from job.data.loaders import validate_data
+from job.data.loaders import check_train_size, validate_data
 from job.doctor import run as doctor
 from job.errors import EXIT_PREEMPTED, BadInput
 from job.launchers.env import DistEnv, detect_env
@@ -39,26 +39,33 @@ from job.train.evaluate import Evaluator
 from job.train.loop import Run, train_loop
 from job.train.parts import Parts, build_parts
 from job.train.preempt import StopRequest
+from job.train.model import validate_model
 from job.train.step import TrainState
 
 log = logging.getLogger("job")
 
 
 def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
-    """Every check that needs no process group, device or write: bad input fails here with exit 2."""
+    """Every check that needs no process group, device or write: bad input fails here with exit 2, before
+    the doctor's quick checks (which write doctor.json) and before run() writes config.yaml."""
     plan = make_plan(cfg, env.world_size)
     parallel.validate(cfg, env.world_size, torch.cuda.is_available())
+    validate_model(cfg.model)
     if cfg.model.sync_bn and not torch.cuda.is_available():
-        raise BadInput("model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel). Fix: --model.sync-bn false, or --model.norm group.")
+        raise BadInput("model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel).",
+                       "--model.sync-bn false, or --model.norm group.", setting="model.sync_bn", value=True)
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
-        raise BadInput("train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported). Fix: use bf16 or fp32 on CPU.")
-    validate_data(cfg.data)
+        raise BadInput("train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported).",
+                       "use bf16 or fp32 on CPU.", setting="train.precision", value="fp16")
+    layout = validate_data(cfg.data)
+    check_train_size(cfg.data, layout, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
     run_dir = cfg.run_dir
     existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
     if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
         raise BadInput(
-            f"run directory {run_dir} cannot be created or written ({existing} is not a writable directory). "
-            f"Fix: set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory."
+            f"run directory {run_dir} cannot be created or written ({existing} is not a writable directory).",
+            "set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory.",
+            setting="run.output_dir", value=cfg.run.output_dir,
         )
     return plan
 

@@ -119,8 +119,9 @@ def _update(parts: Parts, state: TrainState, cfg: TrainConfig, finite: bool) -> 
         if state.nonfinite_skips > cfg.max_nonfinite_skips:
             raise NonFiniteError(
                 f"step {state.step + 1}: more than train.max_nonfinite_skips={cfg.max_nonfinite_skips} "
-                f"updates skipped for non-finite loss/gradients. Fix: lower optim.lr, enable train.grad_clip_norm, "
-                f"or check the data. The newest checkpoint holds only finite values."
+                f"updates skipped for non-finite loss/gradients. The newest checkpoint holds only finite values.",
+                "lower optim.lr, enable train.grad_clip_norm, or check the data.",
+                setting="train.max_nonfinite_skips", value=cfg.max_nonfinite_skips,
             )
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,184 @@
+"""Errors as data: every error type lives in job.errors, carries its exit code and fix, and the CLI's exit code
+comes from the attribute; collective timeouts are recognised by one rule, checked on a real gloo timeout."""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import json
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from job import cli, errors
+from job.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_TIMEOUT,
+    BadInput,
+    CheckpointLoadError,
+    CheckpointWriteError,
+    CollectiveTimeout,
+    DataStall,
+    DoctorFailed,
+    JobError,
+    NonFiniteError,
+    NonFiniteStateError,
+    TrainingFailed,
+    exit_code_of,
+    is_collective_timeout,
+)
+
+# Every error type and the exit code docs/design.md and the job.errors table give it.
+CASES = [
+    (BadInput("train.steps=0 must be >= 1.", "pass --train.steps 10.", setting="train.steps", value=0), EXIT_BAD_INPUT),
+    (CollectiveTimeout("collective timed out on rank 0.", "raise dist.train_timeout_s."), EXIT_TIMEOUT),
+    (DoctorFailed("preflight checks failed: rendezvous."), EXIT_FAILURE),
+    (DataStall("no batch within data.loader_timeout_s=5.", "raise it.", setting="data.loader_timeout_s", value=5), EXIT_FAILURE),
+    (CheckpointWriteError("writing checkpoint failed: no space.", "free space."), EXIT_FAILURE),
+    (NonFiniteStateError("not saving: NaN in model.w.", "lower optim.lr."), EXIT_FAILURE),
+    (CheckpointLoadError("state.pt refused by weights_only=True.", "move it away."), EXIT_FAILURE),
+    (NonFiniteError("too many non-finite steps.", "lower optim.lr."), EXIT_FAILURE),
+    (TrainingFailed({"77": 3, "78": 124}, {"77": "a.err", "78": "b.err"}), 124),
+]
+IDS = [type(err).__name__ for err, _ in CASES]
+
+
+def _cli_code(monkeypatch: pytest.MonkeyPatch, err: BaseException) -> int:
+    def command(argv: list[str]) -> int:
+        raise err
+
+    monkeypatch.setitem(cli.COMMANDS, "train", command)
+    return cli.main(["train"])
+
+
+@pytest.mark.parametrize(("err", "code"), CASES, ids=IDS)
+def test_cli_returns_the_errors_exit_code(monkeypatch: pytest.MonkeyPatch, err: JobError, code: int) -> None:
+    assert err.exit_code == code
+    assert _cli_code(monkeypatch, err) == code
+
+
+@pytest.mark.parametrize(("err", "code"), CASES, ids=IDS)
+def test_the_exit_code_is_read_from_the_attribute(monkeypatch: pytest.MonkeyPatch, err: JobError, code: int) -> None:
+    subclass = type(f"Other{type(err).__name__}", (type(err),), {"exit_code": 77})
+    other = pickle.loads(pickle.dumps(err))
+    other.__class__ = subclass
+    vars(other).pop("exit_code", None)  # TrainingFailed's code is per instance; without it the class's counts
+    assert _cli_code(monkeypatch, other) == 77
+    again = pickle.loads(pickle.dumps(err))
+    again.exit_code = 99
+    assert _cli_code(monkeypatch, again) == 99
+
+
+def test_foreign_errors_map_to_1_and_torch_timeouts_to_124(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    assert _cli_code(monkeypatch, ValueError("boom")) == EXIT_FAILURE
+    assert _cli_code(monkeypatch, dist.DistBackendError("NCCL watchdog")) == EXIT_TIMEOUT
+
+
+def test_bad_input_is_one_line_and_other_errors_show_their_traceback(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _cli_code(monkeypatch, CASES[0][0])
+    err = capsys.readouterr().err
+    assert err == "ddp-job train: error: train.steps=0 must be >= 1. Fix: pass --train.steps 10.\n"
+    _cli_code(monkeypatch, CASES[1][0])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "CollectiveTimeout: collective timed out on rank 0. Fix: raise dist.train_timeout_s." in err
+
+
+@pytest.mark.parametrize(("err", "code"), CASES, ids=IDS)
+def test_errors_render_what_and_fix_and_survive_pickling(err: JobError, code: int) -> None:
+    assert str(err) == (f"{err.what} Fix: {err.fix}" if err.fix else err.what)
+    copy = pickle.loads(pickle.dumps(err))
+    assert type(copy) is type(err) and str(copy) == str(err) and copy.__dict__ == err.__dict__
+    assert copy.exit_code == code
+
+
+def test_one_string_is_enough_to_build_an_error() -> None:
+    # torch's DataLoader and multiprocessing rebuild an exception as type(err)(text)
+    assert str(BadInput("Caught BadInput in DataLoader worker process 0.")) == "Caught BadInput in DataLoader worker process 0."
+
+
+def test_every_exception_type_of_the_package_is_defined_in_job_errors() -> None:
+    defined = {name for name, obj in vars(errors).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
+    elsewhere = []
+    for path in sorted((ROOT / "job").rglob("*.py")):
+        if path.name == "errors.py" and path.parent.name == "job":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            bases = {b.id for b in getattr(node, "bases", []) if isinstance(b, ast.Name)}
+            if isinstance(node, ast.ClassDef) and bases & (defined | {"Exception", "RuntimeError", "ValueError", "OSError"}):
+                elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not elsewhere, elsewhere
+    assert {t for t, _ in ((type(e), c) for e, c in CASES)} == {
+        obj for obj in vars(errors).values() if isinstance(obj, type) and issubclass(obj, JobError) and obj is not JobError}
+
+
+# --- collective timeouts: one rule (job.errors.is_collective_timeout) -----------------------------------
+
+GLOO_HANG = """
+import datetime, json, sys, time
+import torch, torch.distributed as dist
+from job.errors import exit_code_of, is_collective_timeout
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+t = torch.ones(4)
+dist.all_reduce(t)
+dist.set_timeout(datetime.timedelta(seconds=2))
+if rank == 1:
+    time.sleep(6)  # stops participating, past the timeout
+    sys.exit(0)
+for op, call in (("all_reduce", lambda: dist.all_reduce(t)), ("barrier", dist.barrier)):
+    try:
+        call()
+        print(json.dumps({"op": op, "raised": None}), flush=True)
+    except Exception as e:
+        print(json.dumps({"op": op, "raised": f"{type(e).__module__}.{type(e).__name__}",
+                          "timeout": is_collective_timeout(e), "code": exit_code_of(e)}), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_real_gloo_collective_timeout_is_recognised(tmp_path: Path) -> None:
+    """torch 2.14.1 raises a plain RuntimeError for a gloo timeout (no torch type): the documented fallback."""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", GLOO_HANG, str(rank), port], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    seen = [json.loads(line) for line in outs[0][0].splitlines()]
+    assert [s["op"] for s in seen] == ["all_reduce", "barrier"], outs[0]
+    for s in seen:
+        assert s["raised"] == "builtins.RuntimeError", s
+        assert s["timeout"] is True and s["code"] == EXIT_TIMEOUT, s
+
+
+def test_torch_store_timeouts_are_recognised_by_type() -> None:
+    import torch.distributed as dist
+
+    with pytest.raises(dist.DistStoreError) as e:
+        dist.HashStore().wait(["never-set"], datetime.timedelta(milliseconds=200))
+    assert is_collective_timeout(e.value) and exit_code_of(e.value) == EXIT_TIMEOUT
+
+
+@pytest.mark.parametrize("err", [
+    RuntimeError("DataLoader timed out after 5 seconds"),  # this rank's input pipeline, not a peer
+    RuntimeError("Connection closed by peer [127.0.0.1]:1234"),  # a peer died: a failure, not a timeout
+    DataStall("DataLoader timed out after 5 seconds: no batch within data.loader_timeout_s=5."),
+    TimeoutError("Timed out waiting for the lock"),  # not torch's type or gloo's RuntimeError
+])
+def test_other_errors_are_not_collective_timeouts(err: BaseException) -> None:
+    assert not is_collective_timeout(err)
+    assert exit_code_of(err) == EXIT_FAILURE
