@@ -201,13 +201,13 @@ def drive_preempted(job: SbatchJob) -> dict[str, str]:
     `scontrol requeue` from outside (SIGTERM path); the third attempt completes."""
     job.wait_attempt_training(0, 300)
     job.events["signal"] = time.monotonic()
-    sh(job.launchers.env, "scancel", "--batch", "--signal=USR2", job.jid)
+    sh(job.env, "scancel", "--batch", "--signal=USR2", job.jid)
     job.wait_resumed(1, 240)
     job.events["resumed"] = time.monotonic()
     job.events["steps_before_requeue"] = max(steps_saved(job.run_dir))
     job.wait_attempt_training(1, 240)
     job.events["requeue"] = time.monotonic()
-    sh(job.launchers.env, "scontrol", "requeue", job.jid)
+    sh(job.env, "scontrol", "requeue", job.jid)
     job.wait_resumed(2, 240)
     job.events["resumed2"] = time.monotonic()
     return job.wait_done(300)
@@ -220,11 +220,11 @@ def drive_time_limit(job: SbatchJob) -> dict[str, str]:
     job.wait_attempt_training(0, 300)
     elapsed = sum(int(x) * m for x, m in zip(reversed(job.info()["RunTime"].split(":")), (1, 60, 3600)))
     job.events["limit_shortened"] = time.monotonic()
-    sh(job.launchers.env, "scontrol", "update", f"JobId={job.jid}", f"TimeLimit={elapsed // 60 + 10}")
+    sh(job.env, "scontrol", "update", f"JobId={job.jid}", f"TimeLimit={elapsed // 60 + 10}")
     wait_for(lambda: "got SIGUSR2" in job.log, 120, f"Slurm's time-limit signal to job {job.jid}", poll=0.5)
     job.events["signal"] = time.monotonic()
     wait_for(lambda: "attempt 1:" in job.log, 240, f"job {job.jid} to be requeued after its time-limit signal", poll=0.5)
-    sh(job.launchers.env, "scontrol", "update", f"JobId={job.jid}", "TimeLimit=30")
+    sh(job.env, "scontrol", "update", f"JobId={job.jid}", "TimeLimit=30")
     return job.wait_done(300)
 
 
@@ -297,7 +297,7 @@ def test_scontrol_requeue_from_outside_resumes(sbatch_jobs: dict[str, tuple[Sbat
     resumed = re.search(r"resumed from \S+ \(step (\d+),", second[1])
     assert resumed and int(resumed.group(1)) > job.events["steps_before_requeue"], "attempt 2 did not resume from attempt 1's checkpoint"
     timing("scontrol requeue to resumed job running", job.events["resumed2"] - job.events["requeue"])
-    sacct = sh(job.launchers.env, "sacct", "-n", "-P", "-D", "-X", "-j", job.jid, "-o", "State")
+    sacct = sh(job.env, "sacct", "-n", "-P", "-D", "-X", "-j", job.jid, "-o", "State")
     assert sacct.split().count("REQUEUED") == 2, sacct
 
 
