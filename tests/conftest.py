@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,28 @@ def make_data(out: Path, classes: int = 4, per_class: int = 16, size: int = 16, 
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 classes x 16 train images of 16x16 px (and the default val split)."""
     return make_data(tmp_path_factory.mktemp("data") / "tiny")
+
+
+# TensorBoard's event-file name (tensorboard.summary.writer.event_file_writer): the host name may itself contain
+# dots, so the pid is found from the right, never by a fixed field index from the left.
+TFEVENTS_NAME = re.compile(r"events\.out\.tfevents\.(?P<time>\d+)\.(?P<host>.+)\.(?P<pid>\d+)\.(?P<n>\d+)")
+RANK_PID = re.compile(r"rank (\d+)/\d+ local \d+/\d+ node \d+/\d+ launcher=\S+ backend=\S+ pid=(\d+)")
+
+
+def tfevents_writer(path: Path) -> tuple[str, int]:
+    """(host, pid) of the process that wrote a TensorBoard event file, from its name
+    ``events.out.tfevents.<time>.<host>.<pid>.<n>``."""
+    m = TFEVENTS_NAME.fullmatch(path.name)
+    assert m, f"not a TensorBoard event-file name (events.out.tfevents.<time>.<host>.<pid>.<n>): {path.name}"
+    return m["host"], int(m["pid"])
+
+
+def rank_pids(log: str) -> dict[int, set[int]]:
+    """Each rank's pids, from the start-up line every rank prints (``rank R/W ... pid=P``)."""
+    pids: dict[int, set[int]] = {}
+    for rank, pid in RANK_PID.findall(log):
+        pids.setdefault(int(rank), set()).add(int(pid))
+    return pids
 
 
 def load_final_state(run_dir: Path) -> dict:
