@@ -122,6 +122,12 @@ def test_two_pods_train_to_completion(tmp_path: Path) -> None:
         assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
         assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and "LOCAL_RANK" not in env
         assert "/root" not in env.get("HOME", "")  # the host's environment does not leak in
+        # The pod runs the image: its venv's interpreter and the checkout under test at the image's paths.
+        argv = Path(f"/proc/{worker.pid1}/cmdline").read_bytes().split(b"\0")
+        assert argv[:2] == [f"{ks.IMAGE_VENV}/bin/python".encode(), f"{ks.IMAGE_VENV}/bin/ddp-job".encode()], argv
+        imported = subprocess.run(["nsenter", "-t", str(worker.pid1), "-m", "python", "-c", "import job; print(job.__file__)"],
+                                  env=env, capture_output=True, text=True)
+        assert imported.stdout.strip() == f"{ks.IMAGE_SRC}/job/__init__.py", imported
         uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
         assert uts.stdout.strip() == "ddp-smoke-worker-0"
         hosts = Path(f"/etc/netns/{worker.netns}/hosts").read_text()
