@@ -35,7 +35,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"

@@ -133,7 +133,7 @@ def test_two_pods_train_to_completion(tmp_path: Path, monkeypatch: pytest.Monkey
         argv = Path(f"/proc/{worker.pid1}/cmdline").read_bytes().split(b"\0")
         assert argv[:2] == [f"{ks.IMAGE_VENV}/bin/python".encode(), f"{ks.IMAGE_VENV}/bin/ddp-job".encode()], argv
         imported = subprocess.run(["nsenter", "-t", str(worker.pid1), "-m", "python", "-c", "import job; print(job.__file__)"],
-                                  env=env, capture_output=True, text=True)
+                                  env=env, capture_output=True, text=True, check=False)
         assert imported.stdout.strip() == f"{ks.IMAGE_SRC}/job/__init__.py", imported
         uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
         assert uts.stdout.strip() == "ddp-smoke-worker-0"
