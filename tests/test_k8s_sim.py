@@ -31,8 +31,10 @@ TIMEOUT = 420  # per job; a loaded 2-core machine is 5-10x slower than an idle o
 @pytest.fixture(scope="module", autouse=True)
 def _requirements() -> Iterator[None]:
     require(os.geteuid() == 0, "the operator simulation needs root (network namespaces, mounts)")
-    for tool in ("ip", "mount", "getent", "kubectl"):
-        require(shutil.which(tool) is not None, f"{tool} not found: install iproute2/mount/libc-bin/kubectl")
+    for tool, package in (("ip", "iproute2"), ("mount", "mount"), ("nsenter", "util-linux"), ("getent", "libc-bin"),
+                          ("kubectl", "kubectl 1.21 or newer, a prerequisite (README.md)")):
+        require(shutil.which(tool) is not None, f"{tool} not found: install {package} (scripts/test.sh installs "
+                "the Debian packages when run as root)")
     require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
           "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv")
     yield
@@ -106,10 +108,11 @@ def test_operator_env_matches_the_worked_example() -> None:
         "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:2", "PET_MAX_RESTARTS": "3"}
 
 
-def test_two_pods_train_to_completion(tmp_path: Path) -> None:
+def test_two_pods_train_to_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """cpu-smoke as rendered: Master + 1 Worker x 2 processes finish; each pod sees exactly the
     container env + the operator's env, its own hostname, and resolves the other pod by name."""
     docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
+    monkeypatch.setenv("DDP_JOB_HOST_ONLY", "1")
     with ks.Simulation(docs, tmp_path) as sim:
         sim.start()
         master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
@@ -121,7 +124,19 @@ def test_two_pods_train_to_completion(tmp_path: Path) -> None:
             ks.operator_env(sim.job, "Worker", 0))
         assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
         assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and "LOCAL_RANK" not in env
-        assert "/root" not in env.get("HOME", "")  # the host's environment does not leak in
+        # Nothing of the host's environment leaks in: exactly the image's, the kubelet's HOSTNAME, the
+        # container's env and the operator's (a sentinel set here must not reach the pod either).
+        container = next(c for c in sim.types["Worker"]["template"]["spec"]["containers"] if c["name"] == "pytorch")
+        declared = {*ks.IMAGE_ENV, "HOSTNAME", *(e["name"] for e in container.get("env") or []),
+                    *(k for k, _ in ks.operator_env(sim.job, "Worker", 0))}
+        assert set(env) == declared, sorted(set(env) ^ declared)
+        assert env["HOME"] == next(e["value"] for e in container["env"] if e["name"] == "HOME")
+        # The pod runs the image: its venv's interpreter and the checkout under test at the image's paths.
+        argv = Path(f"/proc/{worker.pid1}/cmdline").read_bytes().split(b"\0")
+        assert argv[:2] == [f"{ks.IMAGE_VENV}/bin/python".encode(), f"{ks.IMAGE_VENV}/bin/ddp-job".encode()], argv
+        imported = subprocess.run(["nsenter", "-t", str(worker.pid1), "-m", "python", "-c", "import job; print(job.__file__)"],
+                                  env=env, capture_output=True, text=True, check=False)
+        assert imported.stdout.strip() == f"{ks.IMAGE_SRC}/job/__init__.py", imported
         uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
         assert uts.stdout.strip() == "ddp-smoke-worker-0"
         hosts = Path(f"/etc/netns/{worker.netns}/hosts").read_text()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import make_data, require
+from conftest import make_data, rank_pids, require, tfevents_writer
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 
@@ -267,9 +267,11 @@ def test_two_node_job_completes(sbatch_jobs: dict[str, tuple[SbatchJob, Future]]
     assert steps_saved(job.run_dir)[-1] == STEPS
     events = list((job.run_dir / "tb").rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard events"
-    # rank 0 only: every event file was written by one process (the pid is in the file name)
-    pids = {p.name.split(".")[4] for p in events}
-    assert len(pids) == 1, [p.name for p in events]
+    # rank 0 only: every event file was written by rank 0's process (both nodes share this host's pid space)
+    pids = rank_pids(log)
+    assert set(pids) == {0, 1, 2, 3}, log[-4000:]
+    writers = {tfevents_writer(p)[1] for p in events}
+    assert writers == pids[0], (writers, pids, [p.name for p in events])
     assert info["Restarts"] == "0"
 
 

