@@ -26,7 +26,8 @@ class Checkpointer:
     def restore(self, found: Found) -> None:
         self.states.load_state_dict(load_state(found))
         self.saved_step = found.step
-        log.info("resumed from %s (step %d)", found.path, found.step)
+        epoch = found.manifest.get("trainer", {}).get("epoch", 0)
+        log.info("resumed from %s (step %d, epoch %d)", found.path, found.step, epoch)
 
     def save(self, step: int) -> None:
         """Every rank: gather what needs collectives, then rank 0 snapshots and writes (maybe in the background)."""
