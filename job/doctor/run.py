@@ -12,7 +12,8 @@ Runs under any launcher exactly like ``train`` (same ``load_config``, same ``det
 
 Rank 0 prints one line per check (worst status over ranks) and writes ``run_dir/doctor.json``. Exit code:
 0 without FAIL; 1 when only rendezvous/communication failed (may heal on restart); 2 otherwise (bad input).
-``train`` runs the quick variant (no bandwidth sweep) through ``setup_checked`` unless doctor.enabled=false.
+``train`` runs the quick variant (no bandwidth sweep) unless doctor.enabled=false, in two halves around the
+process group that train creates itself: ``quick_local`` before it, ``quick_group`` on it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -255,61 +256,105 @@ def _write_report(run_dir: Path, report: dict[str, Any], name: str) -> Path | No
         return None
 
 
-def _run(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]) -> tuple[list[dict[str, Any]], distributed.Runtime | None, dict[str, Any]]:
-    """All phases; returns the merged checks, the live runtime (None if the rendezvous failed) and the report."""
+@dataclass
+class LocalPhase:
+    """What this rank found alone, before any process group: its checks (the rendezvous check last)."""
+
+    checks: list[Check]
+    versions: dict[str, str]
+    t0: float
+
+    @property
+    def rendezvous_failed(self) -> bool:
+        return self.checks[-1].status == FAIL
+
+
+def local_phase(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]) -> LocalPhase:
+    """Phase 1: every check this rank can do alone, then whether the rendezvous endpoint is reachable."""
     t0 = time.perf_counter()
     checks, vers = local_checks(cfg, env, full, environ)
     # Rank 0 opens the store itself unless torchrun's agent already serves it (TORCHELASTIC_USE_AGENT_STORE=True;
     # ddp-job launch turns that off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so elastic restarts work).
     hosts_store = env.rank == 0 and not (env.launcher == "torchrun" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-    rdzv = dc.check_rendezvous(env, cfg.doctor.rendezvous_timeout_s, hosts_store)
-    checks.append(rdzv)
-    if rdzv.status == FAIL:  # no process group possible: this rank reports alone
-        merged = _merge([[asdict(c) for c in checks]], 1)
-        return merged, None, {"rank": env.rank, "env": asdict(env), "checks": merged, "wall_s": time.perf_counter() - t0}
+    checks.append(dc.check_rendezvous(env, cfg.doctor.rendezvous_timeout_s, hosts_store))
+    return LocalPhase(checks, vers, t0)
+
+
+def alone(env: DistEnv, local: LocalPhase) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """No process group possible: this rank reports its own checks."""
+    merged = _merge([[asdict(c) for c in local.checks]], 1)
+    return merged, {"rank": env.rank, "env": asdict(env), "checks": merged, "wall_s": time.perf_counter() - local.t0}
+
+
+def group_phase(cfg: JobConfig, env: DistEnv, rt: distributed.Runtime, local: LocalPhase,
+                full: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Phase 2, on the process group the caller created: every rank's facts gathered, consistency and
+    communication checks; returns the merged checks and the report."""
+    world = dist.get_world_size()
+    facts: list[Any] = [None] * world
+    dist.all_gather_object(facts, _facts(cfg, env, local.checks, local.versions), group=rt.control_group)
+    shared = consistency_checks(facts, world)
+    shared += comm_checks(rt, world, dist.get_rank(), full, cfg.doctor.comm_sizes_kb, cfg.doctor.comm_iters)
+    per_rank = [f["checks"] for f in facts]
+    merged = _merge([per_rank[0] + [asdict(c) for c in shared], *per_rank[1:]], world, frozenset(c.name for c in shared))
+    report = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": time.perf_counter() - local.t0,
+              "world_size": world, "launcher": env.launcher, "backend": rt.backend, "checks": merged,
+              "ranks": [{k: f[k] for k in ("rank", "env", "host", "pid", "config_hash", "versions")} for f in facts]}
+    return merged, report
+
+
+# --- train's quick phase: two halves around the process group that train itself creates ---------------
+
+def quick_local(cfg: JobConfig, env: DistEnv, environ: Mapping[str, str]) -> LocalPhase:
+    """Before train creates its process group. Raises when the rendezvous cannot work (nothing to join)."""
+    local = local_phase(cfg, env, False, environ)
+    if local.rendezvous_failed:
+        merged, _ = alone(env, local)
+        _report_quick(merged, env, local)
+        _raise_failed(merged)
+    return local
+
+
+def quick_group(cfg: JobConfig, env: DistEnv, rt: distributed.Runtime, local: LocalPhase) -> None:
+    """On train's process group: the checks that need every rank. Raises BadInput (exit 2) or DoctorFailed
+    (exit 1) on every rank alike when a check FAILs; writes doctor.json only when all passed."""
+    merged, report = group_phase(cfg, env, rt, local, False)
+    if env.is_main:
+        _report_quick(merged, env, local)
+    if exit_code(merged) != EXIT_OK:
+        _raise_failed(merged)
+    if env.is_main:  # only on success: a failed start writes nothing (exit 2 contract)
+        _write_report(cfg.run_dir, report, "doctor.json")
+
+
+def _report_quick(merged: list[dict[str, Any]], env: DistEnv, local: LocalPhase) -> None:
+    _print(merged, only_problems=True)
+    print(_summary(merged, time.perf_counter() - local.t0) + " (skip with --doctor.enabled false)", flush=True)
+
+
+def _raise_failed(merged: list[dict[str, Any]]) -> NoReturn:
+    fails = "\n  ".join(f"{m['line']} -- fix: {m['fix']}" for m in merged if m["status"] == FAIL)
+    error = DoctorFailed
+    if exit_code(merged) != EXIT_FAILURE:
+        error = BadInput
+    raise error(f"preflight checks failed (run `ddp-job doctor` for the full report):\n  {fails}",
+                setting="doctor.enabled", value=True)
+
+
+def _run(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]) -> tuple[list[dict[str, Any]], distributed.Runtime | None, dict[str, Any]]:
+    """``ddp-job doctor``: all phases on a process group of its own; returns the merged checks, the live
+    runtime (None if the rendezvous failed) and the report."""
+    local = local_phase(cfg, env, full, environ)
+    if local.rendezvous_failed:
+        merged, report = alone(env, local)
+        return merged, None, report
     rt = distributed.setup(env, cfg.dist)
     try:
-        world = dist.get_world_size()
-        facts: list[Any] = [None] * world
-        dist.all_gather_object(facts, _facts(cfg, env, checks, vers), group=rt.control_group)
-        shared = consistency_checks(facts, world)
-        shared += comm_checks(rt, world, dist.get_rank(), full, cfg.doctor.comm_sizes_kb, cfg.doctor.comm_iters)
-        per_rank = [f["checks"] for f in facts]
-        merged = _merge([per_rank[0] + [asdict(c) for c in shared], *per_rank[1:]], world, frozenset(c.name for c in shared))
+        merged, report = group_phase(cfg, env, rt, local, full)
     except BaseException:
         distributed.teardown()
         raise
-    wall = time.perf_counter() - t0
-    report = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": wall, "world_size": world,
-              "launcher": env.launcher, "backend": rt.backend, "checks": merged,
-              "ranks": [{k: f[k] for k in ("rank", "env", "host", "pid", "config_hash", "versions")} for f in facts]}
     return merged, rt, report
-
-
-def setup_checked(cfg: JobConfig, env: DistEnv, environ: Mapping[str, str] | None = None) -> distributed.Runtime:
-    """train's first phase: ``distributed.setup`` wrapped in the quick checks (doctor.enabled, default on).
-
-    Raises BadInput (exit 2) or DoctorFailed (exit 1) on every rank alike when a check FAILs."""
-    if not cfg.doctor.enabled:
-        return distributed.setup(env, cfg.dist)
-    environ = os.environ if environ is None else environ
-    t0 = time.perf_counter()
-    merged, rt, report = _run(cfg, env, False, environ)
-    code = exit_code(merged)
-    if env.is_main or rt is None:
-        _print(merged, only_problems=True)
-        print(_summary(merged, time.perf_counter() - t0) + " (skip with --doctor.enabled false)", flush=True)
-    if code == EXIT_OK:
-        assert rt is not None
-        if env.is_main:  # only on success: a failed start writes nothing (exit 2 contract)
-            _write_report(cfg.run_dir, report, "doctor.json")
-        return rt
-    if rt is not None:
-        distributed.teardown()
-    fails = "\n  ".join(f"{m['line']} -- fix: {m['fix']}" for m in merged if m["status"] == FAIL)
-    error = DoctorFailed if code == EXIT_FAILURE else BadInput
-    raise error(f"preflight checks failed (run `ddp-job doctor` for the full report):\n  {fails}",
-                setting="doctor.enabled", value=True)
 
 
 def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:

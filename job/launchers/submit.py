@@ -247,7 +247,7 @@ class _SignalChain:
             stop.request(self.run_dir)
         except OSError as err:
             print(f"submit task: cannot write {stop.stop_file(self.run_dir)}: {err}", file=sys.stderr, flush=True)
-        print(f"submit task rank {self.rank}: got {signal_name(signum)}: asked training to save via "
+        print(f"submit task rank {self.rank}: got {signal_name(signum)}: asking training to save via "
               f"{stop.stop_file(self.run_dir)}", flush=True)
         if self.rank == 0 and self.grace_s > 0:
             signal.signal(signal.SIGALRM, self._on_deadline)

@@ -79,8 +79,13 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     metrics.setup_console(env.rank, env.world_size)
     plan = preflight(cfg, env)
     found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
-    rt = doctor.setup_checked(cfg, env, environ)  # distributed.setup inside the quick preflight checks
+    quick = None
+    if cfg.doctor.enabled:  # the doctor's quick checks, around the process group created here
+        quick = doctor.quick_local(cfg, env, environ)
+    rt = distributed.setup(env, cfg.dist)
     try:
+        if quick is not None:
+            doctor.quick_group(cfg, env, rt, quick)
         log.info("%s pid=%d", env.describe(rt.backend), os.getpid())
         if rt.device.type == "cpu" and cfg.dist.backend == "auto" and env.is_main:
             log.info("no GPU visible: training on CPU with gloo")
