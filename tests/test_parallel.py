@@ -140,10 +140,10 @@ def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
     has BatchNorm and dropout (which draws random numbers in training mode)."""
     import torch.distributed as dist
 
-    from job import parallel
     from job.config import load_config
-    from job.distributed import Runtime
-    from job.model import build_model
+    from job.parallel import ddp as parallel
+    from job.parallel.distributed import Runtime
+    from job.train.model import build_model
 
     cfg = load_config(["--model.name", "mobilenet_v3_small", "--data.image-size", "32", "--data.num-classes", "4",
                        "--ddp.static-graph", str(static_graph).lower()], {})

@@ -1,6 +1,6 @@
 """Training and validation data: an ImageFolder (or synthetic tensors), sharded over ranks, resumable.
 
-Sample order and the resumable position: see job/sampler.py (each optimizer step sees the same
+Sample order and the resumable position: see job/data/sampler.py (each optimizer step sees the same
 samples whatever the world size / accumulation split; ``set_position(epoch, start_batch)``).
 
 Augmentation randomness. The sampler yields ``(epoch, index)`` pairs; for each sample's random crop/flip
