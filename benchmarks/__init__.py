@@ -29,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in NAMES:
-        print(f"ddp-job bench: unknown benchmark {name!r}. Fix: pick one of {', '.join(NAMES)}.\n\n{USAGE}", file=sys.stderr, end="")
+        print(
+            f"ddp-job bench: unknown benchmark {name!r}. Fix: pick one of {', '.join(NAMES)}.\n\n{USAGE}",
+            file=sys.stderr,
+            end="",
+        )
         return 2
     return int(importlib.import_module(f"benchmarks.{name}").main(rest))

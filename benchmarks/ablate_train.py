@@ -21,8 +21,8 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"ABLATE: unknown {sorted(unknown)}; choose from stopflag, clip, observer")
     from job import cli
-    from job.parallel import distributed
     from job.observe import observer as observe
+    from job.parallel import distributed
 
     if "stopflag" in off:
         distributed.all_reduce_max_flag = lambda flag, rt: flag  # type: ignore[assignment]

@@ -40,8 +40,9 @@ def main() -> None:
     mf = torch.channels_last if a.channels_last else torch.contiguous_format
     model = model.to(memory_format=mf)
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4,
-                          **({"fused": True} if cuda else {"foreach": True}))
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, **({"fused": True} if cuda else {"foreach": True})
+    )
     micro = a.batch // world
     g = torch.Generator().manual_seed(rank)
     n = max(micro * 4, 16)
@@ -55,8 +56,8 @@ def main() -> None:
     for step in range(a.steps):
         t0 = time.perf_counter()
         i = (step * micro) % (n - micro + 1)
-        x = ((images[i:i + micro].contiguous(memory_format=mf).float() - mean) / std)
-        y = labels[i:i + micro]
+        x = (images[i : i + micro].contiguous(memory_format=mf).float() - mean) / std
+        y = labels[i : i + micro]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16"):
             loss = loss_fn(ddp(x), y)
         loss.backward()
@@ -68,8 +69,16 @@ def main() -> None:
             t_first_step = time.time()
     if rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"step_times": times, "t_python_start": T_START, "t_first_collective": t_collective,
-                       "t_first_step": t_first_step, "world_size": world}, f)
+            json.dump(
+                {
+                    "step_times": times,
+                    "t_python_start": T_START,
+                    "t_first_collective": t_collective,
+                    "t_first_step": t_first_step,
+                    "world_size": world,
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 

@@ -101,9 +101,18 @@ def main() -> None:
             t[kind].append(dt)
     if dist.get_rank() == 0:
         with open(a.out, "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "grad_bytes": grad_bytes,
-                       "params": sum(q.numel() for q in raw.parameters()), "counts": counts, "times": t,
-                       "median_sync_s": statistics.median(t["sync"]), "median_no_sync_s": statistics.median(t["no_sync"])}, f)
+            json.dump(
+                {
+                    "world_size": dist.get_world_size(),
+                    "grad_bytes": grad_bytes,
+                    "params": sum(q.numel() for q in raw.parameters()),
+                    "counts": counts,
+                    "times": t,
+                    "median_sync_s": statistics.median(t["sync"]),
+                    "median_no_sync_s": statistics.median(t["no_sync"]),
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 

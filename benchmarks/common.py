@@ -61,7 +61,18 @@ def emit(name: str, result: dict[str, Any]) -> None:
 
 def child_env(tmp: Path, **extra: str) -> dict[str, str]:
     """A clean environment for a job subprocess (no inherited launcher/JOB_* variables), TMPDIR under ``tmp``."""
-    drop = ("JOB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_", "GROUP_")
+    drop = (
+        "JOB_",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_",
+        "TORCHELASTIC",
+        "SLURM_",
+        "PET_",
+        "GROUP_",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     (tmp / "tmp").mkdir(parents=True, exist_ok=True)
     env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp / "tmp"), PYTHONPATH=str(ROOT))
@@ -94,18 +105,57 @@ def scalars(run_dir: Path, tag: str) -> list[tuple[int, float, float]]:
     return [(e.step, e.value, e.wall_time) for e in acc.Scalars(tag)]
 
 
-def job_train_args(run_dir: Path, *, model: str, image_size: int, batch: int, steps: int, precision: str = "fp32",
-                   channels_last: bool = False, source: str = "synthetic", data_path: Path | None = None,
-                   workers: int = 0, extra: Sequence[str] = ()) -> list[str]:
+def job_train_args(
+    run_dir: Path,
+    *,
+    model: str,
+    image_size: int,
+    batch: int,
+    steps: int,
+    precision: str = "fp32",
+    channels_last: bool = False,
+    source: str = "synthetic",
+    data_path: Path | None = None,
+    workers: int = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """``ddp-job train`` arguments for a benchmark run: log every step, no checkpoints or eval in the loop."""
-    args = ["--run.output-dir", str(run_dir.parent), "--run.name", run_dir.name, "--data.source", source,
-            "--data.image-size", str(image_size), "--data.num-classes", "10", "--data.num-workers", str(workers),
-            "--data.synthetic-train-size", str(max(batch * 4, 64)), "--data.synthetic-val-size", str(batch),
-            "--model.name", model, "--model.channels-last", str(channels_last).lower(),
-            "--train.steps", str(steps), "--train.global-batch-size", str(batch), "--train.precision", precision,
-            "--ckpt.every", "0", "--log.every", "1", "--log.progress", "off", "--sched.name", "constant"]
+    args = [
+        "--run.output-dir",
+        str(run_dir.parent),
+        "--run.name",
+        run_dir.name,
+        "--data.source",
+        source,
+        "--data.image-size",
+        str(image_size),
+        "--data.num-classes",
+        "10",
+        "--data.num-workers",
+        str(workers),
+        "--data.synthetic-train-size",
+        str(max(batch * 4, 64)),
+        "--data.synthetic-val-size",
+        str(batch),
+        "--model.name",
+        model,
+        "--model.channels-last",
+        str(channels_last).lower(),
+        "--train.steps",
+        str(steps),
+        "--train.global-batch-size",
+        str(batch),
+        "--train.precision",
+        precision,
+        "--ckpt.every",
+        "0",
+        "--log.every",
+        "1",
+        "--log.progress",
+        "off",
+        "--sched.name",
+        "constant",
+    ]
     if data_path is not None:
         args += ["--data.path", str(data_path)]
     return args + list(extra)
-
-

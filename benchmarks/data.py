@@ -45,15 +45,26 @@ def loader_rate(path: Path, workers: int, batch: int, size: int, batches: int) -
 
 def trainer_scalar(tmp: Path, tag: str, name: str, source: str, data: Path, a: Any, warmup: int) -> float:
     run_dir = tmp / "runs" / name
-    args = common.job_train_args(run_dir, model=a.model, image_size=a.size, batch=a.batch, steps=a.steps, source=source,
-                                 data_path=data, workers=a.default_workers, extra=["--log.every", str(a.log_every)])
+    args = common.job_train_args(
+        run_dir,
+        model=a.model,
+        image_size=a.size,
+        batch=a.batch,
+        steps=a.steps,
+        source=source,
+        data_path=data,
+        workers=a.default_workers,
+        extra=["--log.every", str(a.log_every)],
+    )
     common.run(common.torchrun_cmd(1, ["-m", "job", "train", *args]), common.child_env(tmp), a.timeout)
     values = [v for step, v, _ in common.scalars(run_dir, tag) if step - a.log_every >= warmup]
     return statistics.median(values)
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ddp-job bench data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ddp-job bench data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workers", default=None, help="comma-separated worker counts (default 0,1,2,4; quick 0,2)")
     p.add_argument("--reps", type=int, default=None)
@@ -80,8 +91,24 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         data = tmp / "jpeg"
-        common.run([str(common.BIN / "ddp-job"), "make-data", "--out", str(data), "--classes", "10", "--per-class",
-                    str(per_class), "--size", str(a.size), "--format", "jpeg"], common.child_env(tmp), a.timeout)
+        common.run(
+            [
+                str(common.BIN / "ddp-job"),
+                "make-data",
+                "--out",
+                str(data),
+                "--classes",
+                "10",
+                "--per-class",
+                str(per_class),
+                "--size",
+                str(a.size),
+                "--format",
+                "jpeg",
+            ],
+            common.child_env(tmp),
+            a.timeout,
+        )
         for rep in range(a.reps):
             order = workers if rep % 2 == 0 else workers[::-1]
             for w in order:
@@ -92,17 +119,38 @@ def main(argv: list[str]) -> int:
     cons = common.median_spread(consume)
     ratio = common.median_spread(r / c for r, c in zip(rates[a.default_workers], consume))
     waits = common.median_spread(wait)
-    rows = [[f"loader, {w} workers" + (" (default)" if w == a.default_workers else ""), common.fmt_ms(s, 1, " img/s")] for w, s in stats.items()]
-    rows += [["trainer consumption (synthetic data)", common.fmt_ms(cons, 1, " img/s")],
-             ["loader / consumption at default workers", f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}]"],
-             ["trainer data-wait fraction (JPEG, default workers)", f"{100 * waits['median']:.1f}% [{100 * waits['min']:.1f}-{100 * waits['max']:.1f}]"]]
-    common.table(f"data: {a.size}px JPEG ImageFolder, batch {a.batch}, trainer {a.model} on 1 process ({a.reps} interleaved reps)",
-                 ["measure", "median [min-max]"], rows)
+    rows = [
+        [f"loader, {w} workers" + (" (default)" if w == a.default_workers else ""), common.fmt_ms(s, 1, " img/s")]
+        for w, s in stats.items()
+    ]
+    rows += [
+        ["trainer consumption (synthetic data)", common.fmt_ms(cons, 1, " img/s")],
+        ["loader / consumption at default workers", f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}]"],
+        [
+            "trainer data-wait fraction (JPEG, default workers)",
+            f"{100 * waits['median']:.1f}% [{100 * waits['min']:.1f}-{100 * waits['max']:.1f}]",
+        ],
+    ]
+    common.table(
+        f"data: {a.size}px JPEG ImageFolder, batch {a.batch}, trainer {a.model} on 1 process ({a.reps} interleaved reps)",
+        ["measure", "median [min-max]"],
+        rows,
+    )
     goals = {"loader_ge_1_2x": ratio["median"] >= 1.2, "data_wait_lt_5pct": waits["median"] < 0.05}
     print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
-    common.emit("data", {"quick": q, "default_workers": a.default_workers, "loader_img_s": {str(w): s for w, s in stats.items()},
-                         "consumption_img_s": cons, "ratio_at_default": ratio, "data_wait_frac": waits, "goals": goals,
-                         "config": {"size": a.size, "batch": a.batch, "model": a.model, "steps": a.steps, "reps": a.reps}})
+    common.emit(
+        "data",
+        {
+            "quick": q,
+            "default_workers": a.default_workers,
+            "loader_img_s": {str(w): s for w, s in stats.items()},
+            "consumption_img_s": cons,
+            "ratio_at_default": ratio,
+            "data_wait_frac": waits,
+            "goals": goals,
+            "config": {"size": a.size, "batch": a.batch, "model": a.model, "steps": a.steps, "reps": a.reps},
+        },
+    )
     return 0
 
 

@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from job.parallel import ddp as parallel
 from job.config import load_config
 from job.data.loaders import to_device
+from job.data.prefetch import DevicePrefetcher
+from job.parallel import ddp as parallel
 from job.parallel.distributed import Runtime
 from job.train.model import build_model
 from job.train.optim import build_optimizer
-from job.data.prefetch import DevicePrefetcher
 
 
 class HostBatches:
@@ -40,8 +40,13 @@ class HostBatches:
 
     def __init__(self, batch: int, size: int, n: int, count: int, pin: bool = True) -> None:
         g = torch.Generator().manual_seed(0)
-        self.pool = [(torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g),
-                      torch.randint(0, 1000, (batch,), generator=g)) for _ in range(n)]
+        self.pool = [
+            (
+                torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=g),
+                torch.randint(0, 1000, (batch,), generator=g),
+            )
+            for _ in range(n)
+        ]
         if pin:
             self.pool = [(x.pin_memory(), y.pin_memory()) for x, y in self.pool]
         self.count = count
@@ -55,9 +60,20 @@ class HostBatches:
 
 
 def run_row(row: dict[str, Any], args: argparse.Namespace, rt: Runtime) -> dict[str, Any]:
-    flags = ["--model.name", "resnet50", "--model.channels-last", str(row["channels_last"]).lower(),
-             "--train.strategy", "dp" if row["strategy"] == "dp" else "ddp", "--train.tf32", str(row.get("tf32", False)).lower(),
-             "--optim.name", "sgd", "--optim.lr", "0.01"]
+    flags = [
+        "--model.name",
+        "resnet50",
+        "--model.channels-last",
+        str(row["channels_last"]).lower(),
+        "--train.strategy",
+        "dp" if row["strategy"] == "dp" else "ddp",
+        "--train.tf32",
+        str(row.get("tf32", False)).lower(),
+        "--optim.name",
+        "sgd",
+        "--optim.lr",
+        "0.01",
+    ]
     cfg = load_config(flags, {})
     torch.manual_seed(0)
     raw = build_model(cfg.model, 1000).to(rt.device)
@@ -70,7 +86,9 @@ def run_row(row: dict[str, Any], args: argparse.Namespace, rt: Runtime) -> dict[
     opt = build_optimizer(raw, cfg.optim, cfg.optim.lr, rt.device)
     cuda = rt.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(rt.device)) if cuda else (lambda: None)
-    autocast = torch.autocast(rt.device.type, dtype=torch.bfloat16) if row["precision"] == "bf16" else contextlib.nullcontext()
+    autocast = (
+        torch.autocast(rt.device.type, dtype=torch.bfloat16) if row["precision"] == "bf16" else contextlib.nullcontext()
+    )
     total = args.warmup + args.steps
     source: Any = HostBatches(args.batch, args.size, 4, total, pin=cuda)
     if row["prefetch"]:
@@ -92,21 +110,54 @@ def run_row(row: dict[str, Any], args: argparse.Namespace, rt: Runtime) -> dict[
         opt.zero_grad(set_to_none=True)
     sync()
     elapsed = time.perf_counter() - t0
-    return dict(row, images_per_s=round(args.batch * args.steps / elapsed, 1), step_ms=round(1000 * elapsed / args.steps, 2),
-                warmup_s=round(t0 - t_start, 1), peak_mem_gib=round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2) if cuda else None,
-                final_loss=round(loss.item(), 4))
+    return dict(
+        row,
+        images_per_s=round(args.batch * args.steps / elapsed, 1),
+        step_ms=round(1000 * elapsed / args.steps, 2),
+        warmup_s=round(t0 - t_start, 1),
+        peak_mem_gib=round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2) if cuda else None,
+        final_loss=round(loss.item(), 4),
+    )
 
 
 def rows() -> list[dict[str, Any]]:
     """Cheap rows first, torch.compile (about a minute of compiling) last, so a tight budget loses the least."""
-    def precision_rows(specs: list[tuple[str, bool, bool, bool]]) -> list[dict[str, Any]]:
-        return [dict(table="precision", precision=p, tf32=tf32, channels_last=cl, compile=comp, prefetch=prefetch,
-                     strategy="ddp") for p, cl, comp, tf32 in specs for prefetch in (False, True)]
 
-    out = precision_rows([("fp32", False, False, False), ("fp32", False, False, True), ("bf16", False, False, False),
-                          ("bf16", True, False, False)])
-    out += [dict(table="wrapper", precision="bf16", tf32=False, channels_last=True, compile=False, prefetch=True,
-                 strategy=strategy) for strategy in ("none", "dp")]  # "ddp" is the bf16+channels_last row above
+    def precision_rows(specs: list[tuple[str, bool, bool, bool]]) -> list[dict[str, Any]]:
+        return [
+            dict(
+                table="precision",
+                precision=p,
+                tf32=tf32,
+                channels_last=cl,
+                compile=comp,
+                prefetch=prefetch,
+                strategy="ddp",
+            )
+            for p, cl, comp, tf32 in specs
+            for prefetch in (False, True)
+        ]
+
+    out = precision_rows(
+        [
+            ("fp32", False, False, False),
+            ("fp32", False, False, True),
+            ("bf16", False, False, False),
+            ("bf16", True, False, False),
+        ]
+    )
+    out += [
+        dict(
+            table="wrapper",
+            precision="bf16",
+            tf32=False,
+            channels_last=True,
+            compile=False,
+            prefetch=True,
+            strategy=strategy,
+        )
+        for strategy in ("none", "dp")
+    ]  # "ddp" is the bf16+channels_last row above
     return out + precision_rows([("bf16", True, True, False)])
 
 
@@ -118,8 +169,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=420)
-    ap.add_argument("--cpu-smoke", action="store_true", help="check the script's logic on a CPU: tiny sizes, "
-                    "rows without prefetch/compile/dp (those need CUDA); numbers meaningless")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="check the script's logic on a CPU: tiny sizes, "
+        "rows without prefetch/compile/dp (those need CUDA); numbers meaningless",
+    )
     args = ap.parse_args()
     if args.cpu_smoke:
         device, backend = torch.device("cpu"), "gloo"
@@ -130,8 +185,9 @@ def main() -> None:
         device, backend, todo = torch.device("cuda", 0), "nccl", rows()
         torch.cuda.set_device(device)
     # World size 1 on an in-memory store: DDP needs a process group, and nothing here may touch os.environ.
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device if device.type == "cuda" else None
+    )
     rt = Runtime(device=device, backend=backend, control_group=None)
     start = time.perf_counter()
     results = []
@@ -141,18 +197,31 @@ def main() -> None:
             continue
         try:
             results.append(run_row(row, args, rt))
-        except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
+        except Exception as e:
             results.append(dict(row, error=f"{type(e).__name__}: {e}"[:500]))
         torch.cuda.empty_cache()
         print(json.dumps(results[-1]), flush=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                                        "batch": args.batch, "size": args.size, "steps": args.steps, "rows": results}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                    "batch": args.batch,
+                    "size": args.size,
+                    "steps": args.steps,
+                    "rows": results,
+                },
+                indent=1,
+            )
+        )
     dist.destroy_process_group()
     print("\n| precision | tf32 | channels_last | compile | prefetch | wrapper | images/s | step ms | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['precision']} | {r['tf32']} | {r['channels_last']} | {r['compile']} | {r['prefetch']} | {r['strategy']} "
-              f"| {r.get('images_per_s', r.get('skipped') or r.get('error', ''))} | {r.get('step_ms', '')} | {r.get('peak_mem_gib', '')} |")
+        print(
+            f"| {r['precision']} | {r['tf32']} | {r['channels_last']} | {r['compile']} | {r['prefetch']} | {r['strategy']} "
+            f"| {r.get('images_per_s', r.get('skipped') or r.get('error', ''))} | {r.get('step_ms', '')} | {r.get('peak_mem_gib', '')} |"
+        )
 
 
 if __name__ == "__main__":

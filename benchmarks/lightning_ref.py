@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-import lightning as L
+import lightning as L  # noqa: N812 (the name Lightning's own docs use)
 import torch
 import torchvision
 from torch.utils.data import DataLoader, TensorDataset
@@ -56,14 +56,28 @@ def main() -> None:
     micro = a.batch // world
     g = torch.Generator().manual_seed(0)
     n = max(a.batch * 4, 64)
-    ds = TensorDataset(torch.randint(0, 256, (n, 3, a.image_size, a.image_size), dtype=torch.uint8, generator=g),
-                       torch.randint(0, 10, (n,), generator=g))
+    ds = TensorDataset(
+        torch.randint(0, 256, (n, 3, a.image_size, a.image_size), dtype=torch.uint8, generator=g),
+        torch.randint(0, 10, (n,), generator=g),
+    )
     cb = StepTimes()
-    trainer = L.Trainer(accelerator="auto", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), num_nodes=1,
-                        strategy="ddp", precision="bf16-mixed" if a.precision == "bf16" else "32-true",
-                        max_steps=a.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[cb])
-    trainer.fit(Net(a.model, a.channels_last), DataLoader(ds, batch_size=micro, shuffle=True, drop_last=True, num_workers=0))
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        num_nodes=1,
+        strategy="ddp",
+        precision="bf16-mixed" if a.precision == "bf16" else "32-true",
+        max_steps=a.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[cb],
+    )
+    trainer.fit(
+        Net(a.model, a.channels_last), DataLoader(ds, batch_size=micro, shuffle=True, drop_last=True, num_workers=0)
+    )
     if trainer.global_rank == 0:
         with open(a.out, "w") as f:
             json.dump({"step_times": cb.times, "world_size": world}, f)

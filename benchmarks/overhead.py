@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import statistics
 import tempfile
@@ -29,7 +30,7 @@ def job_times(run_dir: Path, warmup: int, log_every: int) -> tuple[list[float], 
     """(logged step times, wall seconds per step) of the windows after ``warmup`` steps."""
     ev = common.scalars(run_dir, "perf/step_time_s")
     logged = [v for step, v, _ in ev if step - log_every >= warmup]
-    wall = [(w1 - w0) / (s1 - s0) for (s0, _, w0), (s1, _, w1) in zip(ev, ev[1:]) if s0 >= warmup]
+    wall = [(w1 - w0) / (s1 - s0) for (s0, _, w0), (s1, _, w1) in itertools.pairwise(ev) if s0 >= warmup]
     return logged, wall
 
 
@@ -38,27 +39,48 @@ def run_variant(kind: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: st
     timeout = a.timeout
     if kind == "job":
         run_dir = tmp / "runs" / tag
-        args = common.job_train_args(run_dir, model=a.model, image_size=a.image_size, batch=a.batch, steps=a.steps,
-                                     precision=a.precision, channels_last=a.channels_last,
-                                     extra=["--log.every", str(a.log_every)])
+        args = common.job_train_args(
+            run_dir,
+            model=a.model,
+            image_size=a.image_size,
+            batch=a.batch,
+            steps=a.steps,
+            precision=a.precision,
+            channels_last=a.channels_last,
+            extra=["--log.every", str(a.log_every)],
+        )
         common.run(common.torchrun_cmd(nproc, ["-m", "job", "train", *args]), env, timeout)
         logged, wall = job_times(run_dir, a.warmup, a.log_every)
         return {"step_s": statistics.median(logged), "wall_step_s": statistics.median(wall), "n": len(logged)}
     out = tmp / f"{tag}.json"
     script = HERE / ("bare_ddp.py" if kind == "bare" else "lightning_ref.py")
-    ref = ["--model", a.model, "--image-size", str(a.image_size), "--batch", str(a.batch), "--steps", str(a.steps),
-           "--precision", a.precision, "--out", str(out)] + (["--channels-last"] if a.channels_last else [])
+    ref = [
+        "--model",
+        a.model,
+        "--image-size",
+        str(a.image_size),
+        "--batch",
+        str(a.batch),
+        "--steps",
+        str(a.steps),
+        "--precision",
+        a.precision,
+        "--out",
+        str(out),
+    ] + (["--channels-last"] if a.channels_last else [])
     common.run(common.torchrun_cmd(nproc, [str(script), *ref]), env, timeout)
-    times = json.loads(out.read_text())["step_times"][a.warmup:]
+    times = json.loads(out.read_text())["step_times"][a.warmup :]
     # The same estimator as ddp-job's logged step time: the mean of each window of log_every steps, then the
     # median over windows (a median of single steps would drop the slow tail that a window mean keeps).
     k = a.log_every
-    windows = [statistics.fmean(times[i:i + k]) for i in range(0, len(times) - k + 1, k)]
+    windows = [statistics.fmean(times[i : i + k]) for i in range(0, len(times) - k + 1, k)]
     return {"step_s": statistics.median(windows), "n": len(windows)}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ddp-job bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ddp-job bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="tiny run that only proves the benchmark works (CI)")
     p.add_argument("--nprocs", default=None, help="comma-separated process counts (default 1,2; quick 1)")
     p.add_argument("--reps", type=int, default=None)
@@ -70,8 +92,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="global batch")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--lightning", default="auto", choices=("auto", "on", "off"),
-                   help="auto: run it when installed (pip install 'ddp-job[bench]'); on: required")
+    p.add_argument(
+        "--lightning",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="auto: run it when installed (pip install 'ddp-job[bench]'); on: required",
+    )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args(argv)
@@ -90,8 +116,11 @@ def main(argv: list[str]) -> int:
     a = parse(argv)
     have_l = importlib.util.find_spec("lightning") is not None
     if a.lightning == "on" and not have_l:
-        print("bench overhead: --lightning on but lightning is not installed. Fix: pip install 'ddp-job[bench]' "
-              "(or pass --lightning off).", flush=True)
+        print(
+            "bench overhead: --lightning on but lightning is not installed. Fix: pip install 'ddp-job[bench]' "
+            "(or pass --lightning off).",
+            flush=True,
+        )
         return 2
     kinds = ["job", "bare"] + (["lightning"] if a.lightning != "off" and have_l else [])
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
@@ -99,29 +128,53 @@ def main(argv: list[str]) -> int:
         per: dict[str, dict[str, list[dict[str, Any]]]] = {str(n): {k: [] for k in kinds} for n in a.nprocs}
         for rep in range(a.reps):
             for n in a.nprocs:
-                order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]  # rotate who runs first
+                order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]  # rotate who runs first
                 for k in order:
                     per[str(n)][k].append(run_variant(k, n, a, tmp, f"{k}-n{n}-r{rep}"))
-    result: dict[str, Any] = {"quick": a.quick, "config": {k: getattr(a, k) for k in (
-        "model", "image_size", "batch", "precision", "channels_last", "steps", "warmup", "reps", "log_every")},
-        "lightning": "lightning" in kinds, "nprocs": {}}
+    result: dict[str, Any] = {
+        "quick": a.quick,
+        "config": {
+            k: getattr(a, k)
+            for k in (
+                "model",
+                "image_size",
+                "batch",
+                "precision",
+                "channels_last",
+                "steps",
+                "warmup",
+                "reps",
+                "log_every",
+            )
+        },
+        "lightning": "lightning" in kinds,
+        "nprocs": {},
+    }
     rows = []
     for n, runs in per.items():
         r: dict[str, Any] = {k: common.median_spread(x["step_s"] for x in v) for k, v in runs.items()}
         r["job_wall"] = common.median_spread(x["wall_step_s"] for x in runs["job"])
         # ratio of steps/s (>1 = ddp-job faster), one per repetition from adjacent runs
         r["ratio_vs_bare"] = common.median_spread(b["step_s"] / j["step_s"] for j, b in zip(runs["job"], runs["bare"]))
-        r["ratio_wall_vs_bare"] = common.median_spread(b["step_s"] / j["wall_step_s"] for j, b in zip(runs["job"], runs["bare"]))
+        r["ratio_wall_vs_bare"] = common.median_spread(
+            b["step_s"] / j["wall_step_s"] for j, b in zip(runs["job"], runs["bare"])
+        )
         if "lightning" in runs:
-            r["ratio_vs_lightning"] = common.median_spread(lt["step_s"] / j["step_s"] for j, lt in zip(runs["job"], runs["lightning"]))
+            r["ratio_vs_lightning"] = common.median_spread(
+                lt["step_s"] / j["step_s"] for j, lt in zip(runs["job"], runs["lightning"])
+            )
         result["nprocs"][n] = r
         for k in [*kinds, "job_wall"]:
             rows.append([n, k, common.fmt_ms(r[k], 1000, " ms"), f"{1 / r[k]['median']:.2f}"])
         for k in ("ratio_vs_bare", "ratio_wall_vs_bare", "ratio_vs_lightning"):
             if k in r:
                 rows.append([n, k, f"{r[k]['median']:.3f} [{r[k]['min']:.3f}-{r[k]['max']:.3f}]", ""])
-    common.table(f"overhead: {a.model} {a.image_size}px batch {a.batch} {a.precision} "
-                 f"(step time median [min-max] over {a.reps} interleaved reps)", ["procs", "variant", "step time", "steps/s"], rows)
+    common.table(
+        f"overhead: {a.model} {a.image_size}px batch {a.batch} {a.precision} "
+        f"(step time median [min-max] over {a.reps} interleaved reps)",
+        ["procs", "variant", "step time", "steps/s"],
+        rows,
+    )
     common.emit("overhead", result)
     return 0
 

@@ -3,6 +3,7 @@
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/profile_flag.py
 """
+
 import statistics
 import time
 

@@ -4,6 +4,7 @@ what the trainer computes when train.grad_clip_norm is 0).
 
     OMP_NUM_THREADS=1 python -m benchmarks.profile_grad_norm
 """
+
 import statistics
 import time
 
@@ -26,5 +27,7 @@ def median_ms(f, n: int = 15) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times) * 1000
 
 
-print(f"clip_grad_norm_(inf): {median_ms(lambda: torch.nn.utils.clip_grad_norm_(params, float('inf'), foreach=True)):.1f} ms")
+print(
+    f"clip_grad_norm_(inf): {median_ms(lambda: torch.nn.utils.clip_grad_norm_(params, float('inf'), foreach=True)):.1f} ms"
+)
 print(f"get_total_norm:       {median_ms(lambda: torch.nn.utils.get_total_norm(grads, foreach=True)):.1f} ms")

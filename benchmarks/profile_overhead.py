@@ -24,8 +24,16 @@ VARIANTS = ["job", "job -stopflag", "job -clip", "job -observer", "job -stopflag
 
 def run_ablated(ablate: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
     run_dir = tmp / "runs" / tag
-    args = common.job_train_args(run_dir, model=a.model, image_size=a.image_size, batch=a.batch, steps=a.steps,
-                                 precision=a.precision, channels_last=a.channels_last, extra=["--log.every", str(a.log_every)])
+    args = common.job_train_args(
+        run_dir,
+        model=a.model,
+        image_size=a.image_size,
+        batch=a.batch,
+        steps=a.steps,
+        precision=a.precision,
+        channels_last=a.channels_last,
+        extra=["--log.every", str(a.log_every)],
+    )
     env = common.child_env(tmp, ABLATE=ablate)
     common.run(common.torchrun_cmd(nproc, [str(HERE / "ablate_train.py"), *args]), env, a.timeout)
     logged, wall = job_times(run_dir, a.warmup, a.log_every)
@@ -42,7 +50,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(dir=a.workdir) as d:
         tmp = Path(d)
         for rep in range(a.reps):
-            for v in VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]:
+            for v in VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]:
                 tag = f"{v.replace(' ', '').replace('-', '_')}-r{rep}"
                 if v in ("job", "bare"):
                     runs[v].append(run_variant(v, n, a, tmp, tag))
@@ -55,10 +63,19 @@ def main(argv: list[str]) -> int:
         ratio = common.median_spread(b["step_s"] / x["step_s"] for x, b in zip(runs[v], runs["bare"]))
         wall = common.median_spread(x["wall_step_s"] for x in runs[v]) if "wall_step_s" in runs[v][0] else None
         result[v] = {"step_s": s, "ratio_vs_bare": ratio, **({"wall_step_s": wall} if wall else {})}
-        rows.append([v, common.fmt_ms(s, 1000, " ms"), common.fmt_ms(wall, 1000, " ms") if wall else "",
-                     f"{ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]"])
-    common.table(f"overhead profile: {n} procs, {a.model} {a.image_size}px batch {a.batch}, {a.reps} interleaved reps",
-                 ["variant", "logged step median [min-max]", "wall per step", "steps/s vs bare"], rows)
+        rows.append(
+            [
+                v,
+                common.fmt_ms(s, 1000, " ms"),
+                common.fmt_ms(wall, 1000, " ms") if wall else "",
+                f"{ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]",
+            ]
+        )
+    common.table(
+        f"overhead profile: {n} procs, {a.model} {a.image_size}px batch {a.batch}, {a.reps} interleaved reps",
+        ["variant", "logged step median [min-max]", "wall per step", "steps/s vs bare"],
+        rows,
+    )
     common.emit("profile_overhead", {"nprocs": n, "reps": a.reps, "steps": a.steps, "variants": result})
     return 0
 

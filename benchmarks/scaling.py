@@ -63,11 +63,20 @@ def measure(batch: int, compile_: bool, steps: int, warmup: int, size: int) -> d
     del model, opt, step_model, x, y
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return {"batch": batch, "compile": compile_, "step_s": s, "img_s": batch / s["median"], "warmup_s": warm_s, "peak_mem_gib": mem}
+    return {
+        "batch": batch,
+        "compile": compile_,
+        "step_s": s,
+        "img_s": batch / s["median"],
+        "warmup_s": warm_s,
+        "peak_mem_gib": mem,
+    }
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ddp-job bench scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ddp-job bench scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--batches", default="128,256,384,512")
     p.add_argument("--compile", default="both", choices=("both", "on", "off"))
@@ -77,8 +86,11 @@ def main(argv: list[str]) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench scaling: needs a CUDA GPU and none is visible (torch.cuda.is_available() is False). This benchmark "
-              "measures ResNet-50 on a GPU only. Fix: run it on a GPU machine (benchmarks/gpu_run.sh).", flush=True)
+        print(
+            "bench scaling: needs a CUDA GPU and none is visible (torch.cuda.is_available() is False). This benchmark "
+            "measures ResNet-50 on a GPU only. Fix: run it on a GPU machine (benchmarks/gpu_run.sh).",
+            flush=True,
+        )
         common.emit("scaling", {"quick": a.quick, "skipped": "no CUDA GPU visible", "results": []})
         return 2
     name = torch.cuda.get_device_name()
@@ -93,14 +105,37 @@ def main(argv: list[str]) -> int:
             r["mfu"] = r["img_s"] * 3 * RESNET50_FWD_FLOPS * (a.size / 224) ** 2 / peak if peak else None
             results.append(r)
             print(f"batch {b} compile {c}: {r['img_s']:.0f} img/s", flush=True)
-    rows = [[r["batch"], "on" if r["compile"] else "off", f"{r['img_s']:.0f}", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "?",
-             common.fmt_ms(r["step_s"], 1000, " ms"), f"{r['peak_mem_gib']:.1f}"] for r in results]
-    common.table(f"scaling: ResNet-50 bf16 channels_last {a.size}px on {name} (peak bf16 {peak and peak / 1e12:.0f} TFLOP/s)",
-                 ["batch", "compile", "img/s", "MFU", "step time", "peak GiB"], rows)
+    rows = [
+        [
+            r["batch"],
+            "on" if r["compile"] else "off",
+            f"{r['img_s']:.0f}",
+            f"{100 * r['mfu']:.1f}%" if r["mfu"] else "?",
+            common.fmt_ms(r["step_s"], 1000, " ms"),
+            f"{r['peak_mem_gib']:.1f}",
+        ]
+        for r in results
+    ]
+    common.table(
+        f"scaling: ResNet-50 bf16 channels_last {a.size}px on {name} (peak bf16 {peak and peak / 1e12:.0f} TFLOP/s)",
+        ["batch", "compile", "img/s", "MFU", "step time", "peak GiB"],
+        rows,
+    )
     best = max(r["img_s"] for r in results)
-    print(f"goal >= 4000 img/s: {'met' if best >= 4000 else 'MISSED'} (best {best:.0f}); published: A100 2,470, H100 ~2,800 img/s")
-    common.emit("scaling", {"quick": a.quick, "gpu": name, "peak_flops": peak, "results": results, "best_img_s": best,
-                            "goal_ge_4000": best >= 4000})
+    print(
+        f"goal >= 4000 img/s: {'met' if best >= 4000 else 'MISSED'} (best {best:.0f}); published: A100 2,470, H100 ~2,800 img/s"
+    )
+    common.emit(
+        "scaling",
+        {
+            "quick": a.quick,
+            "gpu": name,
+            "peak_flops": peak,
+            "results": results,
+            "best_img_s": best,
+            "goal_ge_4000": best >= 4000,
+        },
+    )
     return 0
 
 

@@ -30,7 +30,7 @@ Exit codes: 0 ok, 1 failure, 2 bad input, 124 collective timeout, 143 preempted 
 _LAUNCHED_MARKERS = ("TORCHELASTIC_RUN_ID", "RANK", "SLURM_STEP_ID", "PET_NNODES")
 
 
-def _self_launch_nproc(configured: int, environ: "os._Environ[str] | dict[str, str]") -> int:
+def _self_launch_nproc(configured: int, environ: os._Environ[str] | dict[str, str]) -> int:
     """How many workers plain ``ddp-job train`` should start itself (1 = train in this process)."""
     if any(k in environ for k in _LAUNCHED_MARKERS):
         return 1
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse/CliApp --help and usage errors
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_BAD_INPUT)
         return code
-    except Exception as e:  # noqa: BLE001 - the last line of defence maps to an exit code
+    except Exception as e:
         _report(command, e, show_tb)
         return exit_code_of(e)
 
@@ -133,4 +133,3 @@ def entrypoint() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-

@@ -124,8 +124,9 @@ class TrainingFailed(JobError, RuntimeError):
 
     def __init__(self, codes: dict[str, int], logs: dict[str, str]) -> None:
         listed = ", ".join(f"{job} (exit {code})" for job, code in codes.items())
-        super().__init__(f"training failed in job(s) {listed}.",
-                         f"read the job log(s): {', '.join(logs[job] for job in codes)}.")
+        super().__init__(
+            f"training failed in job(s) {listed}.", f"read the job log(s): {', '.join(logs[job] for job in codes)}."
+        )
         self.codes = dict(codes)
         self.exit_code = max(codes.values())
 

@@ -47,7 +47,18 @@ def dev_tool(name: str, package: str) -> str:
 
 def base_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
     """A clean environment for a job subprocess: no inherited launcher/JOB_* variables."""
-    drop = ("JOB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_", "GROUP_")
+    drop = (
+        "JOB_",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_",
+        "TORCHELASTIC",
+        "SLURM_",
+        "PET_",
+        "GROUP_",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -59,22 +70,58 @@ def base_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 600, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """``ddp-job ARGS`` in a subprocess; stdout and stderr captured as text."""
-    return subprocess.run([bin_path("ddp-job"), *args], env=env or base_env(), cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [bin_path("ddp-job"), *args],
+        env=env or base_env(),
+        cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def torchrun(nproc: int, train_args: list[str], env: dict[str, str] | None = None, timeout: float = 600,
-             extra: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    nproc: int,
+    train_args: list[str],
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    extra: list[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Real ``torchrun --standalone --nproc-per-node N -m job train ARGS``."""
-    cmd = [bin_path("torchrun"), "--standalone", f"--nproc-per-node={nproc}", *(extra or []), "-m", "job", "train", *train_args]
+    cmd = [
+        bin_path("torchrun"),
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *(extra or []),
+        "-m",
+        "job",
+        "train",
+        *train_args,
+    ]
     return subprocess.run(cmd, env=env or base_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def make_data(out: Path, classes: int = 4, per_class: int = 16, size: int = 16, val_per_class: int | None = None, seed: int = 0) -> Path:
+def make_data(
+    out: Path, classes: int = 4, per_class: int = 16, size: int = 16, val_per_class: int | None = None, seed: int = 0
+) -> Path:
     if not (out / "train").is_dir():
-        args = ["make-data", "--out", str(out), "--classes", str(classes), "--per-class", str(per_class), "--size", str(size), "--seed", str(seed)]
+        args = [
+            "make-data",
+            "--out",
+            str(out),
+            "--classes",
+            str(classes),
+            "--per-class",
+            str(per_class),
+            "--size",
+            str(size),
+            "--seed",
+            str(seed),
+        ]
         if val_per_class is not None:
             args += ["--val-per-class", str(val_per_class)]
         r = run_cli(args)

@@ -71,7 +71,7 @@ def main(spec_path: str) -> int:
             _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
             os.chdir(spec.get("cwd") or "/")
             os.execvpe(spec["command"][0], spec["command"], spec["env"])
-        except BaseException as e:  # noqa: BLE001 - like a runtime: report and exit 127/128
+        except BaseException as e:
             print(f"k8s_pod: cannot start {spec['command']!r}: {e}", file=sys.stderr, flush=True)
             os._exit(127 if isinstance(e, FileNotFoundError) else 128)
     with pid_file:  # the simulation signals PID 1 by this host PID

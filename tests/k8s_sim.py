@@ -66,8 +66,12 @@ def pod_names(job: dict) -> list[tuple[str, int, str]]:
     """(replica type, index, pod name) of every pod the operator creates (§2), Master first."""
     name = job["metadata"]["name"]
     types = replica_types(job)
-    return [(t, i, f"{name}-{t.lower()}-{i}".replace("/", "-"))
-            for t in ("Master", "Worker") if t in types for i in range(types[t]["replicas"])]
+    return [
+        (t, i, f"{name}-{t.lower()}-{i}".replace("/", "-"))
+        for t in ("Master", "Worker")
+        if t in types
+        for i in range(types[t]["replicas"])
+    ]
 
 
 def _port(rs: dict) -> int:
@@ -89,9 +93,15 @@ def operator_env(job: dict, rtype: str, index: int) -> list[tuple[str, str]]:
     env = [("PYTHONUNBUFFERED", "1")]
     if "Master" in types:
         port = str(_port(types["Master"]))
-        env += [("MASTER_PORT", port), ("PET_MASTER_PORT", port), ("MASTER_ADDR", f"{name}-master-0"),
-                ("PET_MASTER_ADDR", f"{name}-master-0"), ("WORLD_SIZE", str(total * nproc_int)),
-                ("RANK", str(rank)), ("PET_NODE_RANK", str(rank))]
+        env += [
+            ("MASTER_PORT", port),
+            ("PET_MASTER_PORT", port),
+            ("MASTER_ADDR", f"{name}-master-0"),
+            ("PET_MASTER_ADDR", f"{name}-master-0"),
+            ("WORLD_SIZE", str(total * nproc_int)),
+            ("RANK", str(rank)),
+            ("PET_NODE_RANK", str(rank)),
+        ]
     if nproc is not None:
         env.append(("PET_NPROC_PER_NODE", str(nproc)))
     if elastic is not None:
@@ -99,8 +109,11 @@ def operator_env(job: dict, rtype: str, index: int) -> list[tuple[str, str]]:
         lo, hi = elastic.get("minReplicas"), elastic.get("maxReplicas")
         lo, hi = (lo or hi or workers), (hi or lo or workers)
         host = elastic.get("rdzvHost") or f"{name}-worker-0"
-        env += [("PET_RDZV_ENDPOINT", f"{host}:{elastic.get('rdzvPort') or _port(types['Worker'])}"),
-                ("PET_RDZV_BACKEND", elastic.get("rdzvBackend") or "c10d"), ("PET_NNODES", f"{lo}:{hi}")]
+        env += [
+            ("PET_RDZV_ENDPOINT", f"{host}:{elastic.get('rdzvPort') or _port(types['Worker'])}"),
+            ("PET_RDZV_BACKEND", elastic.get("rdzvBackend") or "c10d"),
+            ("PET_NNODES", f"{lo}:{hi}"),
+        ]
         if elastic.get("maxRestarts") is not None:
             env.append(("PET_MAX_RESTARTS", str(elastic["maxRestarts"])))
         if elastic.get("nProcPerNode") is not None:
@@ -161,9 +174,11 @@ def image_bin(venv: Path, out: Path) -> Path:
 def image_mounts(venv: Path, bin_dir: Path) -> list[dict]:
     """The image's read-only layers as bind mounts (tests/k8s_pod.py): listed before the pod's volumes,
     whose mounts (``/tmp``) may hide these sources."""
-    return [{"kind": "bind", "source": str(REPO), "target": IMAGE_SRC, "read_only": True},
-            {"kind": "bind", "source": str(venv.resolve()), "target": IMAGE_VENV, "read_only": True},
-            {"kind": "bind", "source": str(bin_dir), "target": f"{IMAGE_VENV}/bin", "read_only": True}]
+    return [
+        {"kind": "bind", "source": str(REPO), "target": IMAGE_SRC, "read_only": True},
+        {"kind": "bind", "source": str(venv.resolve()), "target": IMAGE_VENV, "read_only": True},
+        {"kind": "bind", "source": str(bin_dir), "target": f"{IMAGE_VENV}/bin", "read_only": True},
+    ]
 
 
 # ----------------------------------------------------------------------------- pods
@@ -191,8 +206,9 @@ class Simulation:
     """The operator + kubelets for one rendered manifest set. Use as a context manager: the
     namespaces, bridge, hosts files and processes are removed on exit, also after a failure."""
 
-    def __init__(self, docs: list[dict], workdir: Path, *, backoff_base_s: float = 10.0,
-                 venv: Path = REPO / ".venv") -> None:
+    def __init__(
+        self, docs: list[dict], workdir: Path, *, backoff_base_s: float = 10.0, venv: Path = REPO / ".venv"
+    ) -> None:
         self.job = next(d for d in docs if d["kind"] == "PyTorchJob")
         self.config_maps = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d["kind"] == "ConfigMap"}
         self.workdir, self.venv, self.backoff_base_s = workdir, venv, backoff_base_s
@@ -227,8 +243,12 @@ class Simulation:
         for pod in self.pods.values():
             self._assign_ip(pod)
         self.image = image_mounts(self.venv, image_bin(self.venv, self.workdir / "image" / "bin"))
-        targets = {m["mountPath"] for rs in self.types.values()
-                   for c in rs["template"]["spec"]["containers"] for m in c.get("volumeMounts") or []}
+        targets = {
+            m["mountPath"]
+            for rs in self.types.values()
+            for c in rs["template"]["spec"]["containers"]
+            for m in c.get("volumeMounts") or []
+        }
         for mount in sorted(targets | {IMAGE_SRC, IMAGE_VENV}):
             if not Path(mount).exists():  # bind-mount targets must exist on the host's filesystem
                 Path(mount).mkdir(parents=True)
@@ -296,33 +316,47 @@ class Simulation:
             elif "persistentVolumeClaim" in vol:
                 src = self.workdir / "pvc" / vol["persistentVolumeClaim"]["claimName"]
                 src.mkdir(parents=True, exist_ok=True)
-                mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"],
-                               "read_only": bool(m.get("readOnly"))})
+                mounts.append(
+                    {"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": bool(m.get("readOnly"))}
+                )
             elif vol.get("emptyDir", {}).get("medium") == "Memory":
-                mounts.append({"kind": "tmpfs", "target": m["mountPath"], "size": _tmpfs_size(vol["emptyDir"].get("sizeLimit"))})
+                mounts.append(
+                    {"kind": "tmpfs", "target": m["mountPath"], "size": _tmpfs_size(vol["emptyDir"].get("sizeLimit"))}
+                )
             elif "emptyDir" in vol:  # survives container restarts, not a new pod
                 src = self.workdir / "pods" / f"{pod.name}.{pod.generation}" / m["name"]
                 src.mkdir(parents=True, exist_ok=True)
                 mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"]})
             else:
-                raise ValueError(f"{pod.name}: volume {m['name']!r} {vol}: the simulation supports "
-                                 "configMap, persistentVolumeClaim and emptyDir")
+                raise ValueError(
+                    f"{pod.name}: volume {m['name']!r} {vol}: the simulation supports "
+                    "configMap, persistentVolumeClaim and emptyDir"
+                )
         env = {**IMAGE_ENV, "HOSTNAME": pod.name}
         for e in c.get("env") or []:  # the user's env first ...
             if "value" not in e and "valueFrom" in e:
                 raise ValueError(f"{pod.name}: env {e['name']} uses valueFrom, not simulated")
             env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e.get("value", ""))
         env.update(operator_env(self.job, pod.rtype, pod.index))  # ... then the operator's, which win
-        return {"hostname": pod.name, "command": [*(c.get("command") or []), *(c.get("args") or [])],
-                "env": env, "cwd": c.get("workingDir", "/"), "mounts": mounts,
-                "pid_file": str(self.workdir / "pods" / f"{pod.name}.{pod.generation}.{run}.pid")}
+        return {
+            "hostname": pod.name,
+            "command": [*(c.get("command") or []), *(c.get("args") or [])],
+            "env": env,
+            "cwd": c.get("workingDir", "/"),
+            "mounts": mounts,
+            "pid_file": str(self.workdir / "pods" / f"{pod.name}.{pod.generation}.{run}.pid"),
+        }
 
     def _wait_for_master(self, pod: Pod) -> bool:
         """The init-pytorch init container: nslookup <job>-master-0 up to 100 times, 2 s apart."""
         master = f"{self.job['metadata']['name']}-master-0"
         for _ in range(100):
-            if subprocess.run(["ip", "netns", "exec", pod.netns, "getent", "hosts", master],
-                              capture_output=True).returncode == 0:
+            if (
+                subprocess.run(
+                    ["ip", "netns", "exec", pod.netns, "getent", "hosts", master], capture_output=True
+                ).returncode
+                == 0
+            ):
                 return True
             if pod.stop.wait(2):
                 return False
@@ -340,10 +374,14 @@ class Simulation:
             spec = self._spec(pod, run)
             spec_path = Path(spec["pid_file"]).with_suffix(".json")
             spec_path.write_text(json.dumps(spec))
-            log = open(self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log", "w")
-            proc = subprocess.Popen(["ip", "netns", "exec", pod.netns, sys.executable, str(POD_SHIM), str(spec_path)],
-                                    stdout=log, stderr=subprocess.STDOUT, env={"PATH": IMAGE_PATH},
-                                    start_new_session=True)
+            log = open(self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log", "w")  # noqa: SIM115 (closed when the pod's process exits)
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", pod.netns, sys.executable, str(POD_SHIM), str(spec_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={"PATH": IMAGE_PATH},
+                start_new_session=True,
+            )
             pid_file = Path(spec["pid_file"])  # the shim creates it first and writes the PID after the fork
             while proc.poll() is None and not (pid_file.exists() and pid_file.read_text()):
                 time.sleep(0.01)
@@ -404,8 +442,10 @@ class Simulation:
             pod.deleting = True
             grace = self._container(pod)[0].get("terminationGracePeriodSeconds", 30)
             self.kill(name, signal.SIGTERM)
-            timer = threading.Timer(grace, lambda p=pod, gen=pod.generation: p.generation == gen
-                                    and p.pid1 and os.kill(p.pid1, signal.SIGKILL))
+            timer = threading.Timer(
+                grace,
+                lambda p=pod, gen=pod.generation: p.generation == gen and p.pid1 and os.kill(p.pid1, signal.SIGKILL),
+            )
             timer.daemon = True
             timer.start()
 
@@ -417,8 +457,10 @@ class Simulation:
         deadline = time.monotonic() + timeout
         while self.condition not in ("Succeeded", "Failed"):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job still {self.condition} after {timeout} s; pods: "
-                                   f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}")
+                raise TimeoutError(
+                    f"job still {self.condition} after {timeout} s; pods: "
+                    f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}"
+                )
             time.sleep(0.2)
         return self.condition
 
@@ -449,8 +491,10 @@ class Simulation:
         if "Master" in self.types:
             if next(p for p in self.pods.values() if p.rtype == "Master").phase == "Succeeded":
                 self._finish("Succeeded")
-        elif phases and (all(v == "Succeeded" for v in phases.values())
-                         or ("elasticPolicy" in self.job["spec"] and "Succeeded" in phases.values())):
+        elif phases and (
+            all(v == "Succeeded" for v in phases.values())
+            or ("elasticPolicy" in self.job["spec"] and "Succeeded" in phases.values())
+        ):
             self._finish("Succeeded")
 
     def _finish(self, condition: str) -> str:
@@ -469,8 +513,9 @@ class Simulation:
 
     def log(self, name: str) -> str:
         """Every container run of this pod, in order."""
-        files = sorted((self.workdir / "logs").glob(f"{name}.*.log"),
-                       key=lambda p: tuple(int(x) for x in p.name.split(".")[-3:-1]))
+        files = sorted(
+            (self.workdir / "logs").glob(f"{name}.*.log"), key=lambda p: tuple(int(x) for x in p.name.split(".")[-3:-1])
+        )
         return "".join(f.read_text(errors="replace") for f in files)
 
 

@@ -32,9 +32,23 @@ CRD_PATH = Path(__file__).resolve().parent / "data" / "k8s" / "kubeflow.org_pyto
 KUBE_VERSION = "1.32"  # schemas of an older API server: a field newer than that is flagged
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-OBJECT_META = {"name", "generateName", "namespace", "labels", "annotations", "finalizers",
-               "ownerReferences", "uid", "resourceVersion", "generation", "creationTimestamp",
-               "deletionTimestamp", "deletionGracePeriodSeconds", "managedFields", "selfLink"}
+OBJECT_META = {
+    "name",
+    "generateName",
+    "namespace",
+    "labels",
+    "annotations",
+    "finalizers",
+    "ownerReferences",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "managedFields",
+    "selfLink",
+}
 INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 RESTART_POLICIES = {"OnFailure", "Never", "ExitCode", "Always"}
 CLEAN_POD_POLICIES = {"None", "Running", "All"}
@@ -42,15 +56,27 @@ MANAGED_BY = {"kubeflow.org/training-operator", "kueue.x-k8s.io/multikueue"}
 # Set by the operator after the user's env, so a user value is silently overridden (§3).
 OPERATOR_ENV = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "PYTHONUNBUFFERED"}
 # torchrun options whose PET_* values the operator injects: hard-coding them breaks the layout.
-INJECTED_FLAGS = ("--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr",
-                  "--master-port", "--master_port", "--rdzv-endpoint", "--rdzv_endpoint",
-                  "--nproc-per-node", "--nproc_per_node", "--standalone")
+INJECTED_FLAGS = (
+    "--nnodes",
+    "--node-rank",
+    "--node_rank",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "--standalone",
+)
 
 
 def render(overlay: Path) -> list[dict]:
     """Render a kustomize directory with ``kubectl kustomize`` (the client a user runs)."""
-    out = subprocess.run(["kubectl", "kustomize", str(overlay)], check=True, capture_output=True,
-                         text=True, timeout=60).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(overlay)], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -86,8 +112,10 @@ def structural_errors(obj: Any, schema: dict, path: list[Any]) -> list[str]:
             elif isinstance(extra, dict):
                 errs += structural_errors(val, extra, [*path, key])
             elif props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
-                errs.append(f"{_where([*path, key])}: unknown field {key!r}; known fields here: "
-                            f"{sorted(props)} (move or remove it)")
+                errs.append(
+                    f"{_where([*path, key])}: unknown field {key!r}; known fields here: "
+                    f"{sorted(props)} (move or remove it)"
+                )
     elif isinstance(obj, list) and "items" in schema:
         for i, item in enumerate(obj):
             errs += structural_errors(item, schema["items"], [*path, i])
@@ -95,11 +123,12 @@ def structural_errors(obj: Any, schema: dict, path: list[Any]) -> list[str]:
         if schema.get("x-kubernetes-list-type") == "map" and keys:
             seen: dict[tuple, int] = {}
             for i, item in enumerate(obj):
-                ident = tuple(item.get(k, schema["items"]["properties"].get(k, {}).get("default"))
-                              for k in keys)
+                ident = tuple(item.get(k, schema["items"]["properties"].get(k, {}).get("default")) for k in keys)
                 if ident in seen:
-                    errs.append(f"{_where(path)}[{i}]: duplicate {dict(zip(keys, ident))} (also at "
-                                f"[{seen[ident]}]); entries must be unique by {keys}")
+                    errs.append(
+                        f"{_where(path)}[{i}]: duplicate {dict(zip(keys, ident))} (also at "
+                        f"[{seen[ident]}]); entries must be unique by {keys}"
+                    )
                 seen.setdefault(ident, i)
     elif isinstance(obj, int) and not isinstance(obj, bool) and schema.get("format") in INT_RANGE:
         lo, hi = INT_RANGE[schema["format"]]
@@ -112,11 +141,15 @@ def crd_errors(job: dict) -> list[str]:
     """The API server's check of a PyTorchJob against the CRD (types, required, unknown fields)."""
     schema = crd_schema()
     validator = jsonschema.Draft4Validator(schema)
-    errs = [f"{_where(list(e.absolute_path))}: {e.message}"
-            for e in sorted(validator.iter_errors(job), key=lambda e: list(map(str, e.path)))]
+    errs = [
+        f"{_where(list(e.absolute_path))}: {e.message}"
+        for e in sorted(validator.iter_errors(job), key=lambda e: list(map(str, e.path)))
+    ]
     if job.get("apiVersion") != "kubeflow.org/v1" or job.get("kind") != "PyTorchJob":
-        errs.append(f"apiVersion/kind: got {job.get('apiVersion')}/{job.get('kind')}, "
-                    "want kubeflow.org/v1 / PyTorchJob (the only version the CRD serves)")
+        errs.append(
+            f"apiVersion/kind: got {job.get('apiVersion')}/{job.get('kind')}, "
+            "want kubeflow.org/v1 / PyTorchJob (the only version the CRD serves)"
+        )
     return errs + structural_errors(job, schema, [])
 
 
@@ -141,8 +174,10 @@ def builtin_errors(doc: dict) -> list[str]:
     what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
     validator = _builtin_validator(str(doc.get("kind")), str(doc.get("apiVersion")))
     if validator is None:
-        return [f"{what}: no Kubernetes {KUBE_VERSION} schema for apiVersion "
-                f"{doc.get('apiVersion')!r} kind {doc.get('kind')!r}: check both"]
+        return [
+            f"{what}: no Kubernetes {KUBE_VERSION} schema for apiVersion "
+            f"{doc.get('apiVersion')!r} kind {doc.get('kind')!r}: check both"
+        ]
     return [f"{what}: {_where(list(e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
@@ -151,8 +186,12 @@ def pod_template_errors(job: dict) -> list[str]:
     covers the pod spec embedded in the custom resource too."""
     errs = []
     for rtype, rspec in (job.get("spec", {}).get("pytorchReplicaSpecs") or {}).items():
-        holder = {"apiVersion": "v1", "kind": "PodTemplate",
-                  "metadata": {"name": f"{rtype.lower()}-template"}, "template": rspec.get("template", {})}
+        holder = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"{rtype.lower()}-template"},
+            "template": rspec.get("template", {}),
+        }
         errs += [f"pytorchReplicaSpecs.{rtype}: {m}" for m in builtin_errors(holder)]
     return errs
 
@@ -173,24 +212,30 @@ def webhook_errors(job: dict) -> list[str]:
     spec = job.get("spec", {})
     specs = spec.get("pytorchReplicaSpecs")
     if not DNS1035.match(name) or len(name) > 63:
-        errs.append(f"metadata.name={name!r} is not a DNS-1035 label (lowercase letters, digits, '-', "
-                    "starting with a letter, at most 63 characters)")
+        errs.append(
+            f"metadata.name={name!r} is not a DNS-1035 label (lowercase letters, digits, '-', "
+            "starting with a letter, at most 63 characters)"
+        )
     if not isinstance(specs, dict) or not specs:
         return errs + ["spec.pytorchReplicaSpecs is missing: add Master and/or Worker replica specs"]
     elastic = spec.get("elasticPolicy")
     for rtype, rspec in specs.items():
         if rtype not in ("Master", "Worker"):
-            errs.append(f"spec.pytorchReplicaSpecs key {rtype!r} is not allowed: use exactly "
-                        "'Master' or 'Worker' (case-sensitive)")
+            errs.append(
+                f"spec.pytorchReplicaSpecs key {rtype!r} is not allowed: use exactly "
+                "'Master' or 'Worker' (case-sensitive)"
+            )
             continue
         n = rspec.get("replicas") if isinstance(rspec.get("replicas"), int) else 1  # type: schema
         if elastic and rtype == "Worker":
             n = max(n or 1, elastic.get("maxReplicas") or 0)  # scaling up adds higher indexes
         pod = f"{name}-{rtype.lower()}-{max((n or 1) - 1, 0)}"
         if len(pod) > 63 or not DNS1123_LABEL.match(pod):
-            errs.append(f"pod/Service name {pod!r} ({len(pod)} chars) is not a 63-character DNS "
-                        f"label: shorten metadata.name {name!r} to at most "
-                        f"{63 - len(pod) + len(name)} characters")
+            errs.append(
+                f"pod/Service name {pod!r} ({len(pod)} chars) is not a 63-character DNS "
+                f"label: shorten metadata.name {name!r} to at most "
+                f"{63 - len(pod) + len(name)} characters"
+            )
         containers = _containers(rspec)
         if not containers:
             errs.append(f"pytorchReplicaSpecs.{rtype}: the pod template has no containers")
@@ -198,27 +243,35 @@ def webhook_errors(job: dict) -> list[str]:
             if not c.get("image"):
                 errs.append(f"pytorchReplicaSpecs.{rtype}: container {c.get('name')!r} has no image")
         if containers and _pytorch(rspec) is None:
-            errs.append(f"pytorchReplicaSpecs.{rtype}: no container is named 'pytorch' (found "
-                        f"{[c.get('name') for c in containers]}); the operator needs that name")
+            errs.append(
+                f"pytorchReplicaSpecs.{rtype}: no container is named 'pytorch' (found "
+                f"{[c.get('name') for c in containers]}); the operator needs that name"
+            )
         if rspec.get("restartPolicy", "OnFailure") not in RESTART_POLICIES:
-            errs.append(f"pytorchReplicaSpecs.{rtype}.restartPolicy={rspec['restartPolicy']!r}: use "
-                        f"one of {sorted(RESTART_POLICIES)} (case-sensitive; pod creation fails)")
+            errs.append(
+                f"pytorchReplicaSpecs.{rtype}.restartPolicy={rspec['restartPolicy']!r}: use "
+                f"one of {sorted(RESTART_POLICIES)} (case-sensitive; pod creation fails)"
+            )
     if "Master" in specs and specs["Master"].get("replicas") != 1:
-        errs.append(f"pytorchReplicaSpecs.Master.replicas={specs['Master'].get('replicas')!r}: must be "
-                    "set explicitly to 1")
-    if "Worker" in specs and isinstance(specs["Worker"].get("replicas"), int) \
-            and specs["Worker"]["replicas"] < 1:
+        errs.append(
+            f"pytorchReplicaSpecs.Master.replicas={specs['Master'].get('replicas')!r}: must be set explicitly to 1"
+        )
+    if "Worker" in specs and isinstance(specs["Worker"].get("replicas"), int) and specs["Worker"]["replicas"] < 1:
         errs.append(f"pytorchReplicaSpecs.Worker.replicas={specs['Worker']['replicas']}: must be >= 1")
     if elastic is not None:
         if "Worker" not in specs:
             errs.append("elasticPolicy is set but there is no Worker replica spec: add one")
         if elastic.get("nProcPerNode") is not None and spec.get("nprocPerNode") is not None:
-            errs.append("elasticPolicy.nProcPerNode (deprecated) and spec.nprocPerNode are both set: "
-                        "keep only spec.nprocPerNode")
+            errs.append(
+                "elasticPolicy.nProcPerNode (deprecated) and spec.nprocPerNode are both set: "
+                "keep only spec.nprocPerNode"
+            )
     run_policy = spec.get("runPolicy") or {}
     if run_policy.get("cleanPodPolicy", "None") not in CLEAN_POD_POLICIES:
-        errs.append(f"runPolicy.cleanPodPolicy={run_policy['cleanPodPolicy']!r}: use one of "
-                    f"{sorted(CLEAN_POD_POLICIES)} (anything else acts as All)")
+        errs.append(
+            f"runPolicy.cleanPodPolicy={run_policy['cleanPodPolicy']!r}: use one of "
+            f"{sorted(CLEAN_POD_POLICIES)} (anything else acts as All)"
+        )
     if run_policy.get("managedBy") not in (None, *MANAGED_BY):
         errs.append(f"runPolicy.managedBy={run_policy['managedBy']!r}: use one of {sorted(MANAGED_BY)}")
     return errs
@@ -230,8 +283,11 @@ def _env(container: dict) -> dict[str, str]:
 
 def _mount_for(container: dict, volumes: dict[str, dict], kind: str) -> list[tuple[str, dict]]:
     """(mountPath, volume source) of the container's mounts whose volume is of ``kind``."""
-    return [(m["mountPath"], volumes[m["name"]][kind]) for m in container.get("volumeMounts") or []
-            if kind in volumes.get(m["name"], {})]
+    return [
+        (m["mountPath"], volumes[m["name"]][kind])
+        for m in container.get("volumeMounts") or []
+        if kind in volumes.get(m["name"], {})
+    ]
 
 
 def project_errors(job: dict, docs: list[dict]) -> list[str]:
@@ -244,11 +300,15 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
     elastic = spec.get("elasticPolicy")
     by_kind = {(d.get("kind"), d.get("metadata", {}).get("name")): d for d in docs}
     if not (isinstance(nproc, str) and nproc.isdigit() and int(nproc) >= 1):
-        errs.append(f"spec.nprocPerNode={nproc!r}: write the processes per pod as a quoted integer, "
-                    "e.g. \"8\" (auto would use the host's CPU count on CPU nodes)")
+        errs.append(
+            f"spec.nprocPerNode={nproc!r}: write the processes per pod as a quoted integer, "
+            'e.g. "8" (auto would use the host\'s CPU count on CPU nodes)'
+        )
     if run_policy.get("cleanPodPolicy") not in ("Running", "All"):
-        errs.append(f"runPolicy.cleanPodPolicy={run_policy.get('cleanPodPolicy')!r}: use Running so "
-                    "workers stop when the Master finishes (trainer#1982)")
+        errs.append(
+            f"runPolicy.cleanPodPolicy={run_policy.get('cleanPodPolicy')!r}: use Running so "
+            "workers stop when the Master finishes (trainer#1982)"
+        )
     if not isinstance(run_policy.get("backoffLimit"), int):
         errs.append("runPolicy.backoffLimit is unset: OnFailure would restart a crash-looping job forever")
     if elastic and elastic.get("standalone"):
@@ -260,15 +320,19 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
         if c is None:
             continue  # reported by webhook_errors
         if rspec.get("restartPolicy") != "OnFailure":
-            errs.append(f"{where}.restartPolicy={rspec.get('restartPolicy')!r}: use OnFailure (exit "
-                        "1/124 of a pod whose peer died must restart; see docs/kubernetes.md)")
+            errs.append(
+                f"{where}.restartPolicy={rspec.get('restartPolicy')!r}: use OnFailure (exit "
+                "1/124 of a pod whose peer died must restart; see docs/kubernetes.md)"
+            )
         if "restartPolicy" in pod:
             errs.append(f"{where}.template.spec.restartPolicy is set: the operator overwrites it; remove it")
         cmd = [*(c.get("command") or []), *(c.get("args") or [])]
         if cmd[:2] != ["ddp-job", "launch"] or "--" not in cmd:
-            errs.append(f"{where}: command+args {cmd} must start with ['ddp-job', 'launch', ..., '--'] "
-                        "(torchrun reads the PET_* variables; plain torchrun loses the exit codes)")
-        launch_opts = cmd[2:cmd.index("--")] if "--" in cmd else cmd[2:]
+            errs.append(
+                f"{where}: command+args {cmd} must start with ['ddp-job', 'launch', ..., '--'] "
+                "(torchrun reads the PET_* variables; plain torchrun loses the exit codes)"
+            )
+        launch_opts = cmd[2 : cmd.index("--")] if "--" in cmd else cmd[2:]
         hard = [a for a in launch_opts if a.split("=")[0] in INJECTED_FLAGS]
         if hard:
             errs.append(f"{where}: {hard} hard-code what the operator injects as PET_*: remove them")
@@ -277,21 +341,28 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
         if bad_env:
             errs.append(f"{where}: env {bad_env} is overridden by the operator's values: remove it")
         if elastic and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
-            errs.append(f"{where}: set env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for reliable elastic "
-                        "restarts (pytorch#135712)")
+            errs.append(
+                f"{where}: set env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for reliable elastic restarts (pytorch#135712)"
+            )
         gpus = (c.get("resources", {}).get("limits") or {}).get("nvidia.com/gpu")
         if gpus is not None and str(gpus) != nproc:
-            errs.append(f"{where}: nvidia.com/gpu limit {gpus} != spec.nprocPerNode {nproc!r}: "
-                        "run one process per GPU (set both to the same number)")
+            errs.append(
+                f"{where}: nvidia.com/gpu limit {gpus} != spec.nprocPerNode {nproc!r}: "
+                "run one process per GPU (set both to the same number)"
+            )
         ports = c.get("ports") or []
         if ports and "pytorchjob-port" not in [p.get("name") for p in ports]:
-            errs.append(f"{where}: declare the rendezvous port with name 'pytorchjob-port' "
-                        "(the operator takes MASTER_PORT from that name)")
+            errs.append(
+                f"{where}: declare the rendezvous port with name 'pytorchjob-port' "
+                "(the operator takes MASTER_PORT from that name)"
+            )
         volumes = {v["name"]: v for v in pod.get("volumes") or []}
         shm = [src for path, src in _mount_for(c, volumes, "emptyDir") if path == "/dev/shm"]
         if not shm or shm[0].get("medium") != "Memory":
-            errs.append(f"{where}: mount an emptyDir with medium: Memory at /dev/shm (the runtime "
-                        "default is 64 MiB; DataLoader workers fail: pytorch#16979)")
+            errs.append(
+                f"{where}: mount an emptyDir with medium: Memory at /dev/shm (the runtime "
+                "default is 64 MiB; DataLoader workers fail: pytorch#16979)"
+            )
         pvcs = _mount_for(c, volumes, "persistentVolumeClaim")
         for _, src in pvcs:
             if ("PersistentVolumeClaim", src["claimName"]) not in by_kind:
@@ -303,17 +374,20 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
                 errs.append(f"{where}: ConfigMap {src['name']!r} is not in the rendered manifests")
                 continue
             cfg_arg = cmd[cmd.index("--config") + 1] if "--config" in cmd else None
-            key = cfg_arg[len(mount) + 1:] if cfg_arg and cfg_arg.startswith(mount + "/") else None
+            key = cfg_arg[len(mount) + 1 :] if cfg_arg and cfg_arg.startswith(mount + "/") else None
             if key is None or key not in (cm.get("data") or {}):
-                errs.append(f"{where}: --config {cfg_arg!r} is not a key of ConfigMap {src['name']!r} "
-                            f"mounted at {mount}")
+                errs.append(
+                    f"{where}: --config {cfg_arg!r} is not a key of ConfigMap {src['name']!r} mounted at {mount}"
+                )
                 continue
             out_dir = str((yaml.safe_load(cm["data"][key]).get("run") or {}).get("output_dir", ""))
             if not any(out_dir == p or out_dir.startswith(p + "/") for p, _ in pvcs):
-                errs.append(f"{where}: run.output_dir={out_dir!r} in {key} is not on the shared "
-                            f"volume ({[p for p, _ in pvcs]}): checkpoints would die with the pod")
+                errs.append(
+                    f"{where}: run.output_dir={out_dir!r} in {key} is not on the shared "
+                    f"volume ({[p for p, _ in pvcs]}): checkpoints would die with the pod"
+                )
         psc, csc = pod.get("securityContext") or {}, c.get("securityContext") or {}
-        if not (csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+        if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
             errs.append(f"{where}: set securityContext.runAsNonRoot: true")
         if csc.get("allowPrivilegeEscalation") is not False or csc.get("privileged"):
             errs.append(f"{where}: set the pytorch container's securityContext.allowPrivilegeEscalation: false")

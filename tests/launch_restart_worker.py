@@ -20,7 +20,10 @@ def main() -> int:
     for _ in range(3):
         dist.all_reduce(t)
     dist.barrier()
-    print(f"RESTART-OK rank={dist.get_rank()} round={os.environ['TORCHELASTIC_RESTART_COUNT']} sum={t.item():.0f}", flush=True)
+    print(
+        f"RESTART-OK rank={dist.get_rank()} round={os.environ['TORCHELASTIC_RESTART_COUNT']} sum={t.item():.0f}",
+        flush=True,
+    )
     dist.destroy_process_group()
     return 0
 

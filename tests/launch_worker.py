@@ -37,8 +37,17 @@ def main() -> int:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     with open(os.path.join(out, f"argv-{rank}"), "w") as f:
-        json.dump({"argv": sys.argv[1:], "executable": sys.executable,
-                   "env": {k: os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")}}, f)
+        json.dump(
+            {
+                "argv": sys.argv[1:],
+                "executable": sys.executable,
+                "env": {
+                    k: os.environ.get(k)
+                    for k in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+                },
+            },
+            f,
+        )
     open(os.path.join(out, f"ready-{rank}"), "w").close()
     time.sleep(delay)
     return code

@@ -18,18 +18,35 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 
-from job.parallel import ddp as parallel
 from job.config import load_config
 from job.data.loaders import build_loaders, to_device
+from job.parallel import ddp as parallel
 from job.parallel.distributed import Runtime
 from job.train.model import build_model
 from job.train.optim import build_optimizer
 
 
 def hook_run(hook: str, data: str, rt: Runtime, steps: int = 5) -> dict:
-    args = ["--ddp.comm-hook", hook, "--ddp.bucket-cap-mb", "4",
-            "--data.path", data, "--data.num-classes", "4", "--data.image-size", "16", "--data.num-workers", "0",
-            "--data.augment", "false", "--optim.name", "sgd", "--optim.lr", "0.05"]
+    args = [
+        "--ddp.comm-hook",
+        hook,
+        "--ddp.bucket-cap-mb",
+        "4",
+        "--data.path",
+        data,
+        "--data.num-classes",
+        "4",
+        "--data.image-size",
+        "16",
+        "--data.num-workers",
+        "0",
+        "--data.augment",
+        "false",
+        "--optim.name",
+        "sgd",
+        "--optim.lr",
+        "0.05",
+    ]
     cfg = load_config(args, {})
     rank, ws = dist.get_rank(), dist.get_world_size()
     loaders = build_loaders(cfg.data, rank, ws, 8, 0, rt.device)
@@ -48,7 +65,10 @@ def hook_run(hook: str, data: str, rt: Runtime, steps: int = 5) -> dict:
     flat = torch.cat([p.detach().flatten() for p in raw.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(ws)]
     dist.all_gather(gathered, flat)
-    return {"losses": losses, "max_param_diff_across_ranks": max((g - gathered[0]).abs().max().item() for g in gathered)}
+    return {
+        "losses": losses,
+        "max_param_diff_across_ranks": max((g - gathered[0]).abs().max().item() for g in gathered),
+    }
 
 
 def memory_run(rt: Runtime) -> dict:
@@ -79,7 +99,9 @@ def main() -> None:
     results: dict = {"hooks": {}}
     for hook in ("bf16", "fp16"):
         results["hooks"][hook] = hook_run(hook, data, rt)
-        print(f"rank {dist.get_rank()}: hook {hook} done at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(
+            f"rank {dist.get_rank()}: hook {hook} done at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
+        )
     results["memory"] = memory_run(rt)
     print(f"rank {dist.get_rank()}: memory done at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:

@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-
 from conftest import base_env, require, run_cli
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,8 +35,10 @@ def test_unknown_benchmark_names_the_choices(tmp_path):
 def test_overhead_quick(tmp_path):
     import importlib.util
 
-    require(importlib.util.find_spec("lightning") is not None,
-            "lightning is not installed: install the bench extra (scripts/setup.sh dev,bench)")
+    require(
+        importlib.util.find_spec("lightning") is not None,
+        "lightning is not installed: install the bench extra (scripts/setup.sh dev,bench)",
+    )
     out = bench(tmp_path, "overhead", "--lightning", "on")
     assert out["lightning"]
     r = out["nprocs"]["1"]
@@ -101,7 +102,9 @@ def test_data_quick(tmp_path):
     assert {"0", d} <= set(out["loader_img_s"])
     assert all(v["median"] > 0 for v in out["loader_img_s"].values())
     assert out["consumption_img_s"]["median"] > 0
-    assert close(out["ratio_at_default"]["median"], out["loader_img_s"][d]["median"] / out["consumption_img_s"]["median"])
+    assert close(
+        out["ratio_at_default"]["median"], out["loader_img_s"][d]["median"] / out["consumption_img_s"]["median"]
+    )
     assert 0 <= out["data_wait_frac"]["median"] <= 1
 
 

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import require
 
 from job.checkpoint import store as ckpt
+from job.checkpoint.resume import check_resumable, config_differences, map_data_position
 from job.config import load_config
 from job.errors import BadInput
-from job.checkpoint.resume import check_resumable, config_differences, map_data_position
-
-from conftest import require
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,9 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 def state(seed: int, mib: float = 0.25) -> dict:
     g = torch.Generator().manual_seed(seed)
     n = int(mib * 2**20 / 4)
-    return {"model": {"w": torch.randn(n, generator=g), "b": torch.randn(7, generator=g)},
-            "optimizer": {"state": {0: {"momentum_buffer": torch.randn(5, generator=g)}}, "param_groups": [{"lr": 0.1}]},
-            "trainer": {"step": seed, "epoch": 0}}
+    return {
+        "model": {"w": torch.randn(n, generator=g), "b": torch.randn(7, generator=g)},
+        "optimizer": {"state": {0: {"momentum_buffer": torch.randn(5, generator=g)}}, "param_groups": [{"lr": 0.1}]},
+        "trainer": {"step": seed, "epoch": 0},
+    }
 
 
 def save(run_dir: Path, step: int, seed: int | None = None, keep_last: int = 10, mib: float = 0.25) -> None:
@@ -54,6 +55,7 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 # --- durability and verification ----------------------------------------------------------------------
+
 
 def test_save_writes_manifest_last_and_loads_back(tmp_path: Path) -> None:
     save(tmp_path, 3)
@@ -82,7 +84,9 @@ def _corrupt_flip(f: Path) -> None:
 
 
 @pytest.mark.parametrize(("how", "reason"), [(_corrupt_truncate, "truncated"), (_corrupt_flip, "sha256")])
-def test_corrupt_newest_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, how, reason: str) -> None:
+def test_corrupt_newest_falls_back_with_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how, reason: str
+) -> None:
     save(tmp_path, 2)
     save(tmp_path, 4)
     how(tmp_path / "step-0000004" / "state.pt")
@@ -185,8 +189,9 @@ def test_kill_9_during_saves_never_leaves_a_bad_checkpoint(tmp_path: Path) -> No
     every directory with a final name verifies, the newest one loads, a torn one is only ever a .tmp.
     The kills are shown to land inside saves, some of them before the save's final rename."""
     run_dir = tmp_path / "run"
-    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(run_dir)], cwd=REPO, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    saver = subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(run_dir)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     in_save = torn = 0
     try:
         for attempt, fraction in enumerate(KILL_AT):
@@ -217,6 +222,7 @@ def test_kill_9_during_saves_never_leaves_a_bad_checkpoint(tmp_path: Path) -> No
 
 
 # --- keep-last-K ---------------------------------------------------------------------------------------
+
 
 def test_keep_last_k(tmp_path: Path) -> None:
     for step in range(1, 6):
@@ -252,6 +258,7 @@ def test_a_corrupted_checkpoint_of_the_same_step_is_replaced(tmp_path: Path) -> 
 
 # --- what may be saved and loaded ------------------------------------------------------------------------
 
+
 class _RunsCode:
     def __init__(self, marker: str) -> None:
         self.marker = marker
@@ -268,8 +275,11 @@ def test_loading_never_runs_code(tmp_path: Path) -> None:
     torch.save({"model": _RunsCode(str(marker))}, d / "state.pt")
     assert not marker.exists()
     f = d / "state.pt"
-    (d / "manifest.json").write_text(json.dumps(
-        {"step": 1, "world_size": 1, "files": {"state.pt": {"size": f.stat().st_size, "sha256": ckpt._sha256(f)}}}))
+    (d / "manifest.json").write_text(
+        json.dumps(
+            {"step": 1, "world_size": 1, "files": {"state.pt": {"size": f.stat().st_size, "sha256": ckpt._sha256(f)}}}
+        )
+    )
     found = ckpt.find_latest(tmp_path / "run")
     assert found is not None and found.step == 1  # it verifies: only weights_only stands in the way
     with pytest.raises(ckpt.CheckpointLoadError, match=r"step-0000001/state.pt.*weights_only=True"):
@@ -332,6 +342,7 @@ def test_host_staging_reuses_buffers_and_keeps_the_structure() -> None:
 
 # --- disk full -----------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def small_fs(tmp_path: Path):
     mnt = tmp_path / "small"
@@ -366,20 +377,27 @@ def test_disk_full_keeps_earlier_checkpoints_and_says_where_and_how_much(small_f
 
 # --- resume checks (pure) --------------------------------------------------------------------------------
 
+
 def _manifest(argv: list[str], world_size: int, micro: int = 4, mbie: int = 2) -> dict:
     cfg = load_config(argv, {})
     from job.config import config_to_dict
 
-    return {"step": 6, "world_size": world_size, "config": config_to_dict(cfg),
-            "trainer": {"step": 6, "epoch": 1, "micro_batches_in_epoch": mbie},
-            "plan": {"world_size": world_size, "micro_batch_size": micro, "global_batch_size": 16}}
+    return {
+        "step": 6,
+        "world_size": world_size,
+        "config": config_to_dict(cfg),
+        "trainer": {"step": 6, "epoch": 1, "micro_batches_in_epoch": mbie},
+        "plan": {"world_size": world_size, "micro_batch_size": micro, "global_batch_size": 16},
+    }
 
 
 def test_resume_with_changed_config_is_refused_naming_the_setting_and_the_flag() -> None:
     saved = _manifest(["--optim.lr", "0.1"], 2)
     cfg = load_config(["--optim.lr", "0.2", "--train.steps", "50", "--run.name", "other"], {})
     assert config_differences(saved["config"], cfg) == ["optim.lr: checkpoint 0.1 -> now 0.2"]  # steps/name may change
-    with pytest.raises(BadInput, match=r"optim\.lr: checkpoint 0\.1 -> now 0\.2(.|\n)*--ckpt\.allow-config-change true"):
+    with pytest.raises(
+        BadInput, match=r"optim\.lr: checkpoint 0\.1 -> now 0\.2(.|\n)*--ckpt\.allow-config-change true"
+    ):
         check_resumable(saved, cfg, 2, 4)
     check_resumable(saved, load_config(["--optim.lr", "0.2", "--ckpt.allow-config-change", "true"], {}), 2, 4)
 

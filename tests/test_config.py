@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import base_env, run_cli
 from pydantic import ValidationError
 
-from conftest import base_env, run_cli
 from job.config import JobConfig, dump_config, load_config
-from job.errors import BadInput
 from job.config.plan import make_plan
+from job.errors import BadInput
 
 
 def yaml_file(tmp_path: Path, text: str) -> Path:
@@ -20,6 +20,7 @@ def yaml_file(tmp_path: Path, text: str) -> Path:
 
 
 # --- precedence: defaults < YAML < env < CLI, each pair checked both ways -----------------------------
+
 
 def test_default_when_nothing_set() -> None:
     assert load_config([], {}).optim.lr == 0.1
@@ -65,24 +66,31 @@ def test_kebab_case_cli_and_snake_case_env() -> None:
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (32, 8)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--run.output_dir", "/x/out", "--train.global_batch_size", "32", "--data.num_workers=3"],
-    ["--run.output-dir", "/x/out", "--train.global-batch-size", "32", "--data.num-workers=3"],
-    ["--run.output_dir=/x/out", "--train.global-batch-size=32", "--data.num_workers", "3"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--run.output_dir", "/x/out", "--train.global_batch_size", "32", "--data.num_workers=3"],
+        ["--run.output-dir", "/x/out", "--train.global-batch-size", "32", "--data.num-workers=3"],
+        ["--run.output_dir=/x/out", "--train.global-batch-size=32", "--data.num_workers", "3"],
+    ],
+)
 def test_flags_take_the_snake_case_spelling_too(argv: list[str]) -> None:
     cfg = load_config(argv, {})
     assert (cfg.run.output_dir, cfg.train.global_batch_size, cfg.data.num_workers) == (Path("/x/out"), 32, 3)
 
 
 def _settings() -> list[tuple[str, str, object]]:
-    return [(section, name, getattr(getattr(JobConfig(), section), name))
-            for section, model in JobConfig.model_fields.items()
-            for name in model.annotation.model_fields]  # type: ignore[union-attr]
+    return [
+        (section, name, getattr(getattr(JobConfig(), section), name))
+        for section, model in JobConfig.model_fields.items()
+        for name in model.annotation.model_fields
+    ]  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("section, name, default", [s for s in _settings() if "_" in s[1]
-                                                    and isinstance(s[2], (bool, int, float, str, Path))])
+@pytest.mark.parametrize(
+    "section, name, default",
+    [s for s in _settings() if "_" in s[1] and isinstance(s[2], (bool, int, float, str, Path))],
+)
 def test_every_field_takes_both_spellings(section: str, name: str, default: object) -> None:
     value = str(default).lower() if isinstance(default, bool) else str(default)
     snake = load_config([f"--{section}.{name}", value], {})
@@ -98,11 +106,15 @@ def test_misspelt_flag_names_the_closest_one() -> None:
 
 # --- unknown keys, wrong types, files ------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, named", [
-    ("optimm: {lr: 0.1}", "optimm"),
-    ("optim: {lrr: 0.1}", "optim.lrr"),
-    ("data: {path: x, nmu_classes: 3}", "data.nmu_classes"),
-])
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("optimm: {lr: 0.1}", "optimm"),
+        ("optim: {lrr: 0.1}", "optim.lrr"),
+        ("data: {path: x, nmu_classes: 3}", "data.nmu_classes"),
+    ],
+)
 def test_unknown_yaml_keys_rejected(tmp_path: Path, text: str, named: str) -> None:
     with pytest.raises(BadInput, match=named.replace(".", r"\.")):
         load_config(["--config", str(yaml_file(tmp_path, text))], {})
@@ -124,7 +136,12 @@ def test_env_var_of_an_unknown_section_rejected(name: str) -> None:
 
 def test_job_variables_of_other_tools_are_left_alone() -> None:
     """A CI system's JOB_NAME or the service links of a Kubernetes Service named "job" are not settings."""
-    foreign = {"JOB_NAME": "nightly", "JOB_URL": "http://ci/job/1", "JOB_SERVICE_HOST": "10.0.0.1", "JOB_PORT": "tcp://x"}
+    foreign = {
+        "JOB_NAME": "nightly",
+        "JOB_URL": "http://ci/job/1",
+        "JOB_SERVICE_HOST": "10.0.0.1",
+        "JOB_PORT": "tcp://x",
+    }
     assert load_config([], foreign) == load_config([], {})
 
 
@@ -141,13 +158,16 @@ def test_unknown_cli_flag_rejected(argv: list[str]) -> None:
         load_config(argv, {})
 
 
-@pytest.mark.parametrize("argv, env, setting, value", [
-    (["--train.steps", "ten"], {}, "train.steps", "ten"),
-    ([], {"JOB_OPTIM__LR": "fast"}, "optim.lr", "fast"),
-    (["--train.precision", "fp8"], {}, "train.precision", "fp8"),
-    (["--optim.lr", "-1"], {}, "optim.lr", "-1"),
-    (["--train.stop-signals", "SIGFOO"], {}, "train.stop_signals", "SIGFOO"),
-])
+@pytest.mark.parametrize(
+    "argv, env, setting, value",
+    [
+        (["--train.steps", "ten"], {}, "train.steps", "ten"),
+        ([], {"JOB_OPTIM__LR": "fast"}, "optim.lr", "fast"),
+        (["--train.precision", "fp8"], {}, "train.precision", "fp8"),
+        (["--optim.lr", "-1"], {}, "optim.lr", "-1"),
+        (["--train.stop-signals", "SIGFOO"], {}, "train.stop_signals", "SIGFOO"),
+    ],
+)
 def test_wrong_values_name_setting_and_value(argv: list[str], env: dict[str, str], setting: str, value: str) -> None:
     with pytest.raises(BadInput) as e:
         load_config(argv, env)
@@ -190,6 +210,7 @@ def test_every_shipped_config_loads() -> None:
 
 # --- plan: derived values -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("gbs, micro, world, accum", [(64, 0, 1, 1), (64, 0, 2, 1), (64, 16, 2, 2), (64, 8, 1, 8)])
 def test_plan_derives_accumulation(gbs: int, micro: int, world: int, accum: int) -> None:
     cfg = load_config(["--train.global-batch-size", str(gbs), "--train.micro-batch-size", str(micro)], {})
@@ -213,6 +234,7 @@ def test_linear_lr_scaling() -> None:
 
 
 # --- CLI surface ----------------------------------------------------------------------------------------
+
 
 def test_help_documents_every_field() -> None:
     r = run_cli(["train", "--help"])

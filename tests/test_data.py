@@ -8,15 +8,17 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from types import SimpleNamespace
 import torch
 from PIL import Image
 
-from job.data import datagen
+from job.checkpoint.resume import map_data_position
 from job.config import DataConfig
+from job.data import datagen
+from job.data.datagen import make_data_main, make_dataset
 from job.data.loaders import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -26,16 +28,17 @@ from job.data.loaders import (
     to_device,
     validate_data,
 )
-from job.data.datagen import make_data_main, make_dataset
-from job.checkpoint.resume import map_data_position
 from job.errors import BadInput
 
 CPU = torch.device("cpu")
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +95,24 @@ def test_make_data_cli_rerun_is_noop_and_conflict_is_bad_input(tmp_path, capsys)
 
 def test_make_data_through_the_real_cli(tmp_path):
     out = tmp_path / "d"
-    cmd = [sys.executable, "-m", "job", "make-data", "--out", str(out), "--classes", "2", "--per-class", "3",
-           "--size", "8", "--val-per-class", "1", "--format", "jpeg"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "job",
+        "make-data",
+        "--out",
+        str(out),
+        "--classes",
+        "2",
+        "--per-class",
+        "3",
+        "--size",
+        "8",
+        "--val-per-class",
+        "1",
+        "--format",
+        "jpeg",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (out / "val" / "class_01").iterdir()) == ["000000.jpg"]
@@ -130,9 +149,15 @@ def test_generated_classes_are_learnable_by_a_tiny_cnn(tmp_path):
     vx, vy = to_device(next(iter(loaders.val)), CPU)
     torch.manual_seed(0)
     net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d(1),
-        torch.nn.Flatten(), torch.nn.Linear(16, 10))
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveMaxPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 10),
+    )
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: more threads only fight the other tests for the cores
@@ -165,7 +190,7 @@ def test_rank_shards_are_disjoint_and_rows_are_contiguous_slices_of_the_epoch_or
     assert all(b.shape == (bpe, micro) for b in per_rank)
     for k in range(bpe):
         row = torch.cat([b[k] for b in per_rank])
-        assert torch.equal(row, order[k * world * micro:(k + 1) * world * micro])
+        assert torch.equal(row, order[k * world * micro : (k + 1) * world * micro])
     flat = torch.cat([b.flatten() for b in per_rank])
     assert len(set(flat.tolist())) == len(flat)  # no sample twice in an epoch
 
@@ -177,8 +202,12 @@ def test_same_samples_per_optimizer_step_whatever_the_split():
     for world, micro, accum in splits:
         per_rank = all_rank_batches(n, world, micro, accum, epoch=2)
         micro_steps = per_rank[0].shape[0]
-        steps.append([sorted(torch.cat([b[s * accum + a] for b in per_rank for a in range(accum)]).tolist())
-                      for s in range(micro_steps // accum)])
+        steps.append(
+            [
+                sorted(torch.cat([b[s * accum + a] for b in per_rank for a in range(accum)]).tolist())
+                for s in range(micro_steps // accum)
+            ]
+        )
         assert len(steps[-1]) == n // global_batch
     assert all(st == steps[0] for st in steps)
 
@@ -197,7 +226,7 @@ def test_set_position_yields_exactly_the_remaining_batches():
     full = list(s)
     assert len(full) == len(s) == s.batches_per_epoch * 3
     s.set_position(1, 4)
-    assert list(s) == full[4 * 3:] and len(s) == (s.batches_per_epoch - 4) * 3
+    assert list(s) == full[4 * 3 :] and len(s) == (s.batches_per_epoch - 4) * 3
     assert all(e == 1 for e, _ in full)
     with pytest.raises(ValueError):
         s.set_position(1, s.batches_per_epoch + 1)
@@ -205,7 +234,10 @@ def test_set_position_yields_exactly_the_remaining_batches():
 
 def test_position_maps_across_world_sizes():
     """Position 3 of 2 ranks x 4 = 24 samples = 3 micro-batches of 1 rank x 8; 24 is no row of 4 ranks x 4."""
-    trainer, plan = {"micro_batches_in_epoch": 3, "epoch": 0}, {"world_size": 2, "micro_batch_size": 4, "global_batch_size": 8}
+    trainer, plan = (
+        {"micro_batches_in_epoch": 3, "epoch": 0},
+        {"world_size": 2, "micro_batch_size": 4, "global_batch_size": 8},
+    )
     assert map_data_position(trainer, plan, 1, 8) == 3
     with pytest.raises(BadInput, match="not a multiple of 16"):
         map_data_position(trainer, plan, 4, 4)
@@ -224,8 +256,10 @@ def collect(loaders, epoch, start, count):
 
 
 def same(a, b):
-    return len(a) == len(b) and all(ea == eb and ka == kb and torch.equal(xa, xb) and torch.equal(ya, yb)
-                                    for (ea, ka, xa, ya), (eb, kb, xb, yb) in zip(a, b))
+    return len(a) == len(b) and all(
+        ea == eb and ka == kb and torch.equal(xa, xb) and torch.equal(ya, yb)
+        for (ea, ka, xa, ya), (eb, kb, xb, yb) in zip(a, b)
+    )
 
 
 def test_resume_mid_epoch_with_persistent_workers_matches_uninterrupted(shapes):
@@ -298,7 +332,7 @@ def test_val_shards_cover_every_sample_exactly_once(shapes, world):
             seen.append(x)
             labels.append(y)
     full = build_loaders(cfg, 0, 1, 9, 0, CPU)
-    (fx, fy), = list(full.val)
+    ((fx, fy),) = list(full.val)
     assert torch.equal(torch.cat(seen), fx) and torch.equal(torch.cat(labels), fy)
     assert sorted(fy.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
@@ -312,8 +346,7 @@ def test_shard_range_sizes():
 
 
 def test_synthetic_source_is_deterministic_and_shaped():
-    cfg = DataConfig(source="synthetic", image_size=8, num_classes=5, synthetic_train_size=40,
-                     synthetic_val_size=11)
+    cfg = DataConfig(source="synthetic", image_size=8, num_classes=5, synthetic_train_size=40, synthetic_val_size=11)
     a = build_loaders(cfg, 0, 2, 4, seed=1, device=CPU)
     b = build_loaders(cfg, 1, 2, 4, seed=1, device=CPU)
     assert a.batches_per_epoch == 5 and len(a.train) == 5
@@ -444,8 +477,13 @@ def test_process_exits_although_workers_ignore_sigterm_and_loaders_live_on(tmp_p
     make_dataset(root, classes=2, per_class=4, size=16, val_per_class=1)
     bad = root / "train" / "class_00" / "000001.png"
     bad.write_bytes(bad.read_bytes()[:40])
-    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(root)], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert done.returncode == 2, done.stderr
     assert f"cannot read image file {bad}" in done.stdout
 
@@ -473,8 +511,14 @@ def test_workers_deliver_batches_when_tmpdir_is_too_long_for_unix_sockets(tmp_pa
     long_tmp.mkdir()
     assert len(str(long_tmp)) + len("/pymp-12345678/listener-12345678") > 107
     env = {**os.environ, "TMPDIR": str(long_tmp), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", LONG_TMPDIR_SCRIPT, str(root)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", LONG_TMPDIR_SCRIPT, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"tmpdir {len(str(long_tmp))} train 8 val 2" in done.stdout
     assert "AF_UNIX path too long" not in done.stderr

@@ -17,11 +17,22 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, base_env, bin_path, make_data, require_tool
 
-ARGS = ["--data.num-classes", "4", "--data.image-size", "16", "--train.global-batch-size", "8",
-        "--doctor.rendezvous-timeout-s", "2", "--doctor.comm-iters", "3", "--model.name", "resnet18"]
+ARGS = [
+    "--data.num-classes",
+    "4",
+    "--data.image-size",
+    "16",
+    "--train.global-batch-size",
+    "8",
+    "--doctor.rendezvous-timeout-s",
+    "2",
+    "--doctor.comm-iters",
+    "3",
+    "--model.name",
+    "resnet18",
+]
 # Not in ARGS: data.num_workers and doctor.comm_sizes_kb (cases differ; repeated list flags append).
 
 
@@ -33,8 +44,15 @@ def free_port() -> int:
 
 def contract(rank: int, world: int, port: int, addr: str = "127.0.0.1", **extra: str) -> dict[str, str]:
     """The explicit env contract (submitit / hand-written launch scripts): one process per rank."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port), **extra}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +68,14 @@ def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, 
     doctor = [bin_path("ddp-job"), "doctor", "--data.path", str(data), *ARGS, "--doctor.comm-sizes-kb", "4"]
     cases: dict[str, list[tuple[list[str], dict[str, str], Path]]] = {}
 
-    def add(name: str, cmd: list[str], extra_env: dict[str, str], run_name: str | None = None, args: list[str] = (),
-            output_dir: Path | None = None) -> None:
+    def add(
+        name: str,
+        cmd: list[str],
+        extra_env: dict[str, str],
+        run_name: str | None = None,
+        args: list[str] = (),
+        output_dir: Path | None = None,
+    ) -> None:
         run_dir = (output_dir or tmp / "runs") / (run_name or name)
         full = [*cmd, *args, "--run.output-dir", str(run_dir.parent), "--run.name", run_dir.name]
         cases.setdefault(name, []).append((full, base_env(tmp, **extra_env), run_dir))
@@ -62,17 +86,49 @@ def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, 
     add("port", [*doctor, *no_workers], contract(1, 2, free_port()))
     ro = tmp / "ro"
     ro.mkdir()
-    add("readonly", [unshare, "-m", "sh", "-c", f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && exec \"$0\" \"$@\"", *doctor],
-        {}, args=no_workers, output_dir=ro)
-    add("shm", [unshare, "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" \"$@\"", *doctor], {},
-        args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"])
+    add(
+        "readonly",
+        [
+            unshare,
+            "-m",
+            "sh",
+            "-c",
+            f'mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && exec "$0" "$@"',
+            *doctor,
+        ],
+        {},
+        args=no_workers,
+        output_dir=ro,
+    )
+    add(
+        "shm",
+        [unshare, "-m", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"', *doctor],
+        {},
+        args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"],
+    )
     # train's quick doctor phase sees the same FAIL and stops before writing anything
     train = [bin_path("ddp-job"), "train", "--data.path", str(data), *ARGS, "--train.steps", "2"]
-    add("train-shm", [unshare, "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec \"$0\" \"$@\"", *train], {},
-        args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"])
+    add(
+        "train-shm",
+        [unshare, "-m", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" "$@"', *train],
+        {},
+        args=["--data.num-workers", "4", "--data.image-size", "64", "--train.global-batch-size", "64"],
+    )
     # ddp-job launch -- doctor: torchrun's agent in-process; the workers' doctor exit code comes out unchanged
-    launch = [bin_path("ddp-job"), "launch", "--standalone", "--nproc-per-node", "2", "--", "doctor", "--data.path", str(data),
-              *ARGS, "--doctor.comm-sizes-kb", "4"]
+    launch = [
+        bin_path("ddp-job"),
+        "launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "doctor",
+        "--data.path",
+        str(data),
+        *ARGS,
+        "--doctor.comm-sizes-kb",
+        "4",
+    ]
     add("launch", launch, {}, args=[*no_workers, "--data.num-classes", "5"])
     # Two-rank cases: rank 1 must wait for rank 0's store however slowly rank 0 starts (ARGS' 2 s is for the
     # dns/port cases; under load rank 1 gave up after 2 s and rank 0 then waited in init_process_group).
@@ -82,9 +138,20 @@ def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, 
         add("layout", [*doctor, *no_workers], contract(rank, 2, port, GROUP_WORLD_SIZE="2", GROUP_RANK="0"), args=wait)
     port = free_port()
     for rank in (0, 1):
-        add("config", [*doctor, *no_workers], contract(rank, 2, port), run_name="config", args=[*wait, "--train.steps", str(5 + rank)])
-    procs = {name: [(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), rd)
-                    for cmd, env, rd in items] for name, items in cases.items()}
+        add(
+            "config",
+            [*doctor, *no_workers],
+            contract(rank, 2, port),
+            run_name="config",
+            args=[*wait, "--train.steps", str(5 + rank)],
+        )
+    procs = {
+        name: [
+            (subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), rd)
+            for cmd, env, rd in items
+        ]
+        for name, items in cases.items()
+    }
     results = {}
     for name, items in procs.items():
         results[name] = []
@@ -101,9 +168,32 @@ def fail_lines(out: str, name: str) -> list[str]:
 def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
     run_dir = tmp_path / "runs" / "ok"
     t0 = time.perf_counter()
-    r = subprocess.run([bin_path("torchrun"), "--standalone", "--nproc-per-node=2", "-m", "job", "doctor", "--data.path", str(data), *ARGS,
-                        "--data.num-workers", "0", "--doctor.comm-sizes-kb", "4,64,1024", "--run.output-dir", str(run_dir.parent), "--run.name", "ok"],
-                       env=base_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            bin_path("torchrun"),
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "job",
+            "doctor",
+            "--data.path",
+            str(data),
+            *ARGS,
+            "--data.num-workers",
+            "0",
+            "--doctor.comm-sizes-kb",
+            "4,64,1024",
+            "--run.output-dir",
+            str(run_dir.parent),
+            "--run.name",
+            "ok",
+        ],
+        env=base_env(tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     assert not fail_lines(r.stdout, "") and "doctor: 0 FAIL" in r.stdout, r.stdout
@@ -113,8 +203,19 @@ def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
     assert {rk["rank"] for rk in report["ranks"]} == {0, 1}
     assert len({rk["config_hash"] for rk in report["ranks"]}) == 1
     status = {c["name"]: c["status"] for c in report["checks"]}
-    for name in ("topology.launcher", "topology.layout", "config.same", "versions.same", "rendezvous", "shm",
-                 "storage.writable", "storage.space", "storage.data", "communication.allreduce", "communication.bandwidth"):
+    for name in (
+        "topology.launcher",
+        "topology.layout",
+        "config.same",
+        "versions.same",
+        "rendezvous",
+        "shm",
+        "storage.writable",
+        "storage.space",
+        "storage.data",
+        "communication.allreduce",
+        "communication.bandwidth",
+    ):
         assert status[name] == "PASS", (name, r.stdout)
     bw = next(c for c in report["checks"] if c["name"] == "communication.bandwidth")["data"]
     assert [row["size_bytes"] for row in bw["rows"]] == [4096, 65536, 1048576]
@@ -122,8 +223,10 @@ def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
         assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2) and row["busbw_GBps"] > 0
     assert bw["slowest_rank"] in (0, 1)
-    print(f"doctor on 2 processes: {wall:.1f} s wall (checks {report['wall_s']:.2f} s); gloo busbw "
-          + ", ".join(f"{row['size_bytes'] // 1024} KiB {row['busbw_GBps']:.3f} GB/s" for row in bw["rows"]))
+    print(
+        f"doctor on 2 processes: {wall:.1f} s wall (checks {report['wall_s']:.2f} s); gloo busbw "
+        + ", ".join(f"{row['size_bytes'] // 1024} KiB {row['busbw_GBps']:.3f} GB/s" for row in bw["rows"])
+    )
 
 
 def test_unresolvable_rendezvous_name(failures: dict) -> None:
@@ -179,7 +282,9 @@ def test_world_size_inconsistent_with_launcher_variables(failures: dict) -> None
     r0, r1 = failures["layout"]
     assert (r0["rc"], r1["rc"]) == (2, 2), r0["out"] + r1["out"]
     lines = fail_lines(r0["out"], "topology.launcher")
-    assert lines and "WORLD_SIZE=2 but 2 node(s) x LOCAL_WORLD_SIZE=2 = 4" in lines[0] and "[all ranks]" in lines[0], r0["out"]
+    assert lines and "WORLD_SIZE=2 but 2 node(s) x LOCAL_WORLD_SIZE=2 = 4" in lines[0] and "[all ranks]" in lines[0], (
+        r0["out"]
+    )
     assert fail_lines(r0["out"], "topology.layout"), r0["out"]  # the gathered view agrees: 1 node joined, 2 declared
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from job.errors import BadInput
 from job.launchers.env import (
     DETECTION_ORDER,
     SLURM_PORT_BASE,
@@ -27,12 +28,11 @@ from job.launchers.env import (
     parse_slurm_tasks_per_node,
     slurm_master_port,
 )
-from job.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def D(rank, local_rank, world, local_world, node, nodes, addr, port, launcher) -> DistEnv:  # noqa: N802
+def D(rank, local_rank, world, local_world, node, nodes, addr, port, launcher) -> DistEnv:
     return DistEnv(rank, local_rank, world, local_world, node, nodes, addr, port, launcher)
 
 
@@ -41,38 +41,80 @@ def D(rank, local_rank, world, local_world, node, nodes, addr, port, launcher) -
 # The batch script of `sbatch --nodes=2 --ntasks-per-node=2` (runs on n1). Note: SLURM_PROCID, SLURM_NTASKS
 # and SLURM_LOCALID are there, SLURM_STEP_ID is not.
 SLURM_BATCH = {
-    "SLURMD_NODENAME": "n1", "SLURM_CLUSTER_NAME": "ci", "SLURM_CPUS_ON_NODE": "2", "SLURM_GTIDS": "0",
-    "SLURM_JOBID": "1", "SLURM_JOB_CPUS_PER_NODE": "2(x2)", "SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "job.sh",
-    "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_PARTITION": "debug",
-    "SLURM_LOCALID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_NODELIST": "n[1-2]",
-    "SLURM_NPROCS": "4", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "0",
-    "SLURM_SUBMIT_DIR": "/tmp/envprobe", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_TASK_PID": "6596",
+    "SLURMD_NODENAME": "n1",
+    "SLURM_CLUSTER_NAME": "ci",
+    "SLURM_CPUS_ON_NODE": "2",
+    "SLURM_GTIDS": "0",
+    "SLURM_JOBID": "1",
+    "SLURM_JOB_CPUS_PER_NODE": "2(x2)",
+    "SLURM_JOB_ID": "1",
+    "SLURM_JOB_NAME": "job.sh",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_PARTITION": "debug",
+    "SLURM_LOCALID": "0",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "n[1-2]",
+    "SLURM_NPROCS": "4",
+    "SLURM_NTASKS": "4",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_SUBMIT_DIR": "/tmp/envprobe",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_TASK_PID": "6596",
     "SLURM_TOPOLOGY_ADDR": "n1",
 }
 
 
 def slurm_step(procid: int, localid: int, nodeid: int, node: str, **step) -> dict[str, str]:
     """A task of `srun` inside that job: the batch variables plus what srun adds or overrides (recorded)."""
-    env = {**SLURM_BATCH, "SLURMD_NODENAME": node, "SLURM_TOPOLOGY_ADDR": node, "SLURM_DISTRIBUTION": "block",
-           "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_SRUN_COMM_HOST": "127.0.0.1", "SLURM_STEPID": "0",
-           "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_NODES": "2",
-           "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_UMASK": "0022",
-           "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid)}
+    env = {
+        **SLURM_BATCH,
+        "SLURMD_NODENAME": node,
+        "SLURM_TOPOLOGY_ADDR": node,
+        "SLURM_DISTRIBUTION": "block",
+        "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1",
+        "SLURM_SRUN_COMM_HOST": "127.0.0.1",
+        "SLURM_STEPID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_UMASK": "0022",
+        "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(localid),
+        "SLURM_NODEID": str(nodeid),
+    }
     env.update(step)
     return env
 
 
 # `srun -n3` in that job: 2 tasks on n1, 1 on n2 (recorded: SLURM_STEP_TASKS_PER_NODE=2,1, NTASKS=3).
-SRUN_N3 = dict(SLURM_NTASKS="3", SLURM_NPROCS="3", SLURM_STEP_NUM_TASKS="3", SLURM_STEP_TASKS_PER_NODE="2,1",
-               SLURM_TASKS_PER_NODE="2,1")
+SRUN_N3 = dict(
+    SLURM_NTASKS="3",
+    SLURM_NPROCS="3",
+    SLURM_STEP_NUM_TASKS="3",
+    SLURM_STEP_TASKS_PER_NODE="2,1",
+    SLURM_TASKS_PER_NODE="2,1",
+)
 # `srun -w n2 -N1 -n1`: the step lives on n2 only; the job variables still say n[1-2] / 2 nodes.
-SRUN_ON_N2 = dict(SLURM_NTASKS="1", SLURM_NPROCS="1", SLURM_NNODES="1", SLURM_STEP_NUM_TASKS="1",
-                  SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE="1", SLURM_TASKS_PER_NODE="1",
-                  SLURM_STEP_NODELIST="n2")
+SRUN_ON_N2 = dict(
+    SLURM_NTASKS="1",
+    SLURM_NPROCS="1",
+    SLURM_NNODES="1",
+    SLURM_STEP_NUM_TASKS="1",
+    SLURM_STEP_NUM_NODES="1",
+    SLURM_STEP_TASKS_PER_NODE="1",
+    SLURM_TASKS_PER_NODE="1",
+    SLURM_STEP_NODELIST="n2",
+)
 PORT1 = slurm_master_port("1")
 
 
 # --- PyTorchJob pods as the operator builds them --------------------------------------------------------
+
 
 def pytorchjob_pod(rank: int, *, workers: int = 1, nproc: str = "1", job: str = "demo") -> dict[str, str]:
     """Master + Worker layout, no elasticPolicy (operator steps 1, 2, 3, 4b)."""
@@ -80,9 +122,13 @@ def pytorchjob_pod(rank: int, *, workers: int = 1, nproc: str = "1", job: str = 
     nproc_int = int(nproc) if nproc.isdigit() else 1
     return {
         "PYTHONUNBUFFERED": "1",
-        "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456",
-        "MASTER_ADDR": f"{job}-master-0", "PET_MASTER_ADDR": f"{job}-master-0",
-        "WORLD_SIZE": str(total * nproc_int), "RANK": str(rank), "PET_NODE_RANK": str(rank),
+        "MASTER_PORT": "23456",
+        "PET_MASTER_PORT": "23456",
+        "MASTER_ADDR": f"{job}-master-0",
+        "PET_MASTER_ADDR": f"{job}-master-0",
+        "WORLD_SIZE": str(total * nproc_int),
+        "RANK": str(rank),
+        "PET_NODE_RANK": str(rank),
         "PET_NPROC_PER_NODE": nproc,
         "PET_NNODES": str(total),
     }
@@ -91,11 +137,21 @@ def pytorchjob_pod(rank: int, *, workers: int = 1, nproc: str = "1", job: str = 
 def torchrun_worker(rank: int, local_rank: int, nproc: int, nnodes: int, group_rank: int, **extra) -> dict[str, str]:
     """What LocalElasticAgent._start_workers exports (torch 2.14.1), plus whatever the parent had."""
     env = {
-        "RANK": str(rank), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(rank), "ROLE_NAME": "default",
-        "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc * nnodes), "GROUP_WORLD_SIZE": str(nnodes),
-        "ROLE_WORLD_SIZE": str(nproc * nnodes), "MASTER_ADDR": "node-a", "MASTER_PORT": "41234",
-        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "job1",
-        "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "RANK": str(rank),
+        "GROUP_RANK": str(group_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "WORLD_SIZE": str(nproc * nnodes),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_WORLD_SIZE": str(nproc * nnodes),
+        "MASTER_ADDR": "node-a",
+        "MASTER_PORT": "41234",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "job1",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "LOCAL_RANK": str(local_rank),
     }
     env.update(extra)
@@ -110,8 +166,23 @@ VALID = {
     "torchrun-2nodes-r3": (torchrun_worker(3, 1, 2, 2, 1), D(3, 1, 4, 2, 1, 2, "node-a", 41234, "torchrun")),
     # `srun torchrun` (one task per node): SLURM_* describe the node's task, torchrun's variables win
     "srun-torchrun": (
-        torchrun_worker(2, 0, 2, 2, 1, **{k: v for k, v in slurm_step(1, 0, 1, "n2", **{
-            "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}).items()}),
+        torchrun_worker(
+            2,
+            0,
+            2,
+            2,
+            1,
+            **{
+                k: v
+                for k, v in slurm_step(
+                    1,
+                    0,
+                    1,
+                    "n2",
+                    **{"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"},
+                ).items()
+            },
+        ),
         D(2, 0, 4, 2, 1, 2, "node-a", 41234, "torchrun"),
     ),
     # torchrun inside a PyTorchJob pod: the pod's RANK=1 / WORLD_SIZE=16 are replaced by the agent's
@@ -121,24 +192,43 @@ VALID = {
     ),
     # submitit's TorchDistributedEnvironment.export() inside an srun step (2 nodes x 2 tasks, rank 3)
     "submitit-export": (
-        {**slurm_step(3, 1, 1, "n2"), "MASTER_ADDR": "n1", "MASTER_PORT": "27183", "RANK": "3",
-         "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+        {
+            **slurm_step(3, 1, 1, "n2"),
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "27183",
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+        },
         D(3, 1, 4, 2, 1, 2, "n1", 27183, "env"),
     ),
     "env-manual-node-rank": (
-        {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "NODE_RANK": "1",
-         "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"},
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "6",
+            "LOCAL_RANK": "2",
+            "LOCAL_WORLD_SIZE": "3",
+            "NODE_RANK": "1",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "1234",
+        },
         D(5, 2, 6, 3, 1, 2, "10.0.0.1", 1234, "env"),
     ),
-    "env-world-1": ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, D(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "env")),
+    "env-world-1": (
+        {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+        D(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "env"),
+    ),
     # PyTorchJob, plain python, nprocPerNode "1": master pod and worker-1 pod (rank 2 of 3 pods)
     "pytorchjob-master": (pytorchjob_pod(0, workers=2), D(0, 0, 3, 1, 0, 3, "demo-master-0", 23456, "kubeflow")),
     "pytorchjob-worker-1": (pytorchjob_pod(2, workers=2), D(2, 0, 3, 1, 2, 3, "demo-master-0", 23456, "kubeflow")),
     # nprocPerNode unset: the operator defaults it to "auto", counted as 1 process per pod
     "pytorchjob-auto": (pytorchjob_pod(1, nproc="auto"), D(1, 0, 2, 1, 1, 2, "demo-master-0", 23456, "kubeflow")),
     # Worker-only job with one pod (no Master: no RANK/WORLD_SIZE/MASTER_*)
-    "pytorchjob-one-worker": ({"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "1"},
-                              D(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "kubeflow")),
+    "pytorchjob-one-worker": (
+        {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "1"},
+        D(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "kubeflow"),
+    ),
     # srun, 2 nodes x 2 tasks (recorded)
     "srun-r0": (slurm_step(0, 0, 0, "n1"), D(0, 0, 4, 2, 0, 2, "n1", PORT1, "slurm")),
     "srun-r3": (slurm_step(3, 1, 1, "n2"), D(3, 1, 4, 2, 1, 2, "n1", PORT1, "slurm")),
@@ -149,13 +239,23 @@ VALID = {
     "srun-on-n2": (slurm_step(0, 0, 0, "n2", **SRUN_ON_N2), D(0, 0, 1, 1, 0, 1, "n2", PORT1, "slurm")),
     # 4 nodes, "2(x3),1" tasks per node, zero-padded node names, MASTER_* exported by the script
     "srun-uneven-padded": (
-        {"SLURM_STEP_ID": "0", "SLURM_PROCID": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "3",
-         "SLURM_NTASKS": "7", "SLURM_NNODES": "4", "SLURM_TASKS_PER_NODE": "2(x3),1",
-         "SLURM_JOB_NODELIST": "gpu[08-11]", "SLURM_JOB_ID": "77", "MASTER_PORT": "15000"},
+        {
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "6",
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "3",
+            "SLURM_NTASKS": "7",
+            "SLURM_NNODES": "4",
+            "SLURM_TASKS_PER_NODE": "2(x3),1",
+            "SLURM_JOB_NODELIST": "gpu[08-11]",
+            "SLURM_JOB_ID": "77",
+            "MASTER_PORT": "15000",
+        },
         D(6, 0, 7, 1, 3, 4, "gpu08", 15000, "slurm"),
     ),
     "srun-master-addr-env": (
-        slurm_step(1, 1, 0, "n1", MASTER_ADDR="127.0.0.1"), D(1, 1, 4, 2, 0, 2, "127.0.0.1", PORT1, "slurm"),
+        slurm_step(1, 1, 0, "n1", MASTER_ADDR="127.0.0.1"),
+        D(1, 1, 4, 2, 0, 2, "127.0.0.1", PORT1, "slurm"),
     ),
     # a plain `python` in the batch script is ONE process, not rank 0 of SLURM_NTASKS=4
     "sbatch-batch-step": (SLURM_BATCH, D(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "single")),
@@ -188,7 +288,14 @@ def test_describe_and_properties() -> None:
     assert not env.is_main and env.is_distributed
     single = detect_env({})
     assert single.is_main and not single.is_distributed
-    assert set(env.torch_env()) >= {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    assert set(env.torch_env()) >= {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
 
 
 @pytest.mark.parametrize(
@@ -238,50 +345,119 @@ def test_slurm_master_port() -> None:
 BAD = {
     "torchrun-rank-not-int": (torchrun_worker(0, 0, 2, 1, 0, RANK="zero"), ["RANK", "'zero'", "Fix"]),
     "torchrun-missing-local-world": (
-        {k: v for k, v in torchrun_worker(0, 0, 2, 1, 0).items() if k != "LOCAL_WORLD_SIZE"}, ["LOCAL_WORLD_SIZE", "not set"]),
+        {k: v for k, v in torchrun_worker(0, 0, 2, 1, 0).items() if k != "LOCAL_WORLD_SIZE"},
+        ["LOCAL_WORLD_SIZE", "not set"],
+    ),
     "torchrun-rank-too-big": (torchrun_worker(4, 0, 2, 2, 1), ["RANK=4", "WORLD_SIZE=4", "Fix"]),
-    "torchrun-world-mismatch": (torchrun_worker(0, 0, 2, 2, 0, WORLD_SIZE="6"), ["WORLD_SIZE=6", "GROUP_WORLD_SIZE=2", "Fix"]),
+    "torchrun-world-mismatch": (
+        torchrun_worker(0, 0, 2, 2, 0, WORLD_SIZE="6"),
+        ["WORLD_SIZE=6", "GROUP_WORLD_SIZE=2", "Fix"],
+    ),
     "torchrun-bad-port": (torchrun_worker(0, 0, 2, 1, 0, MASTER_PORT="70000"), ["MASTER_PORT", "'70000'", "1..65535"]),
     "env-negative-rank": (
-        {"RANK": "-1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-        ["RANK", "'-1'", ">= 0"]),
+        {
+            "RANK": "-1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1",
+        },
+        ["RANK", "'-1'", ">= 0"],
+    ),
     "env-rank-ge-world": (
-        {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-        ["RANK=2", "WORLD_SIZE=2", "Fix"]),
+        {
+            "RANK": "2",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1",
+        },
+        ["RANK=2", "WORLD_SIZE=2", "Fix"],
+    ),
     "env-local-rank-ge-local-world": (
-        {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-        ["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2", "Fix"]),
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1",
+        },
+        ["LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2", "Fix"],
+    ),
     "env-world-zero": ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, ["WORLD_SIZE", "'0'", ">= 1"]),
     "env-no-local-world": (
         {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-        ["LOCAL_WORLD_SIZE is not", "WORLD_SIZE=2", "Fix"]),
+        ["LOCAL_WORLD_SIZE is not", "WORLD_SIZE=2", "Fix"],
+    ),
     "env-not-divisible": (
-        {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-        ["WORLD_SIZE=3", "LOCAL_WORLD_SIZE=2", "GROUP_WORLD_SIZE"]),
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "3",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1",
+        },
+        ["WORLD_SIZE=3", "LOCAL_WORLD_SIZE=2", "GROUP_WORLD_SIZE"],
+    ),
     "env-no-master": (
-        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, ["MASTER_ADDR and MASTER_PORT", "Fix"]),
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+        ["MASTER_ADDR and MASTER_PORT", "Fix"],
+    ),
     "env-local-world-not-int": (
-        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "two", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
-        ["LOCAL_WORLD_SIZE", "'two'"]),
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "two",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1",
+        },
+        ["LOCAL_WORLD_SIZE", "'two'"],
+    ),
     "partial-contract": ({"RANK": "3", "WORLD_SIZE": "4"}, ["RANK=3", "WORLD_SIZE=4", "LOCAL_RANK", "Fix"]),
     "pytorchjob-nproc-8": (pytorchjob_pod(1, nproc="8"), ["PET_NPROC_PER_NODE='8'", "ddp-job launch"]),
     "pytorchjob-elastic": (
-        {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "1", "PET_RDZV_ENDPOINT": "demo-worker-0:23456",
-         "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:2"},
-        ["PET_NNODES='2:2'", "elastic", "ddp-job launch"]),
+        {
+            "PYTHONUNBUFFERED": "1",
+            "PET_NPROC_PER_NODE": "1",
+            "PET_RDZV_ENDPOINT": "demo-worker-0:23456",
+            "PET_RDZV_BACKEND": "c10d",
+            "PET_NNODES": "2:2",
+        },
+        ["PET_NNODES='2:2'", "elastic", "ddp-job launch"],
+    ),
     "pytorchjob-worker-only": (
-        {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "1", "PET_NNODES": "3"}, ["PET_NNODES=3", "RANK", "ddp-job launch"]),
-    "pytorchjob-world-edited": ({**pytorchjob_pod(1, workers=2), "WORLD_SIZE": "5"}, ["WORLD_SIZE=5", "PET_NNODES=3", "Fix"]),
+        {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "1", "PET_NNODES": "3"},
+        ["PET_NNODES=3", "RANK", "ddp-job launch"],
+    ),
+    "pytorchjob-world-edited": (
+        {**pytorchjob_pod(1, workers=2), "WORLD_SIZE": "5"},
+        ["WORLD_SIZE=5", "PET_NNODES=3", "Fix"],
+    ),
     "pytorchjob-rank-too-big": (pytorchjob_pod(3, workers=2), ["RANK=3", "WORLD_SIZE=3"]),
     "srun-procid-not-int": (slurm_step(0, 0, 0, "n1", SLURM_PROCID="x"), ["SLURM_PROCID", "'x'", "srun"]),
     "srun-procid-ge-ntasks": (slurm_step(4, 0, 1, "n2"), ["SLURM_PROCID=4", "SLURM_STEP_NUM_TASKS=4"]),
-    "srun-localid-ge-tasks-on-node": (slurm_step(2, 1, 1, "n2", **SRUN_N3), ["SLURM_LOCALID=1", "SLURM_STEP_TASKS_PER_NODE"]),
+    "srun-localid-ge-tasks-on-node": (
+        slurm_step(2, 1, 1, "n2", **SRUN_N3),
+        ["SLURM_LOCALID=1", "SLURM_STEP_TASKS_PER_NODE"],
+    ),
     "srun-nodeid-ge-nnodes": (slurm_step(3, 1, 2, "n3"), ["SLURM_NODEID=2", "SLURM_STEP_NUM_NODES=2"]),
     "srun-bad-tasks-per-node": (
-        slurm_step(0, 0, 0, "n1", SLURM_STEP_TASKS_PER_NODE="2(x)"), ["SLURM_STEP_TASKS_PER_NODE", "'2(x)'"]),
+        slurm_step(0, 0, 0, "n1", SLURM_STEP_TASKS_PER_NODE="2(x)"),
+        ["SLURM_STEP_TASKS_PER_NODE", "'2(x)'"],
+    ),
     "srun-tasks-per-node-mismatch": (
-        slurm_step(0, 0, 0, "n1", SLURM_STEP_TASKS_PER_NODE="2(x3)"), ["SLURM_STEP_TASKS_PER_NODE='2(x3)'", "SLURM_STEP_NUM_TASKS=4"]),
-    "srun-bad-nodelist": (slurm_step(0, 0, 0, "n1", SLURM_STEP_NODELIST="n[1-2"), ["SLURM_STEP_NODELIST", "'n[1-2'", "MASTER_ADDR"]),
+        slurm_step(0, 0, 0, "n1", SLURM_STEP_TASKS_PER_NODE="2(x3)"),
+        ["SLURM_STEP_TASKS_PER_NODE='2(x3)'", "SLURM_STEP_NUM_TASKS=4"],
+    ),
+    "srun-bad-nodelist": (
+        slurm_step(0, 0, 0, "n1", SLURM_STEP_NODELIST="n[1-2"),
+        ["SLURM_STEP_NODELIST", "'n[1-2'", "MASTER_ADDR"],
+    ),
     "srun-bad-master-port": (slurm_step(0, 0, 0, "n1", MASTER_PORT="0"), ["MASTER_PORT", "'0'"]),
     "single-bad-port": ({"MASTER_PORT": "http"}, ["MASTER_PORT", "'http'"]),
 }
@@ -327,15 +503,26 @@ def test_real_torchrun_workers(tmp_path: Path) -> None:
         env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = sorted(line.split("DETECTED ", 1)[1] for line in proc.stdout.splitlines() if "DETECTED " in line)
     assert len(found) == 2, proc.stdout
-    envs = [eval(text, {"DistEnv": DistEnv}) for text in found]  # noqa: S307 - our own repr
+    envs = [eval(text, {"DistEnv": DistEnv}) for text in found]
     envs.sort(key=lambda e: e.rank)
     for rank, got in enumerate(envs):
-        assert (got.rank, got.local_rank, got.world_size, got.local_world_size, got.node_rank, got.num_nodes, got.launcher) == (
-            rank, rank, 2, 2, 0, 1, "torchrun")
+        assert (
+            got.rank,
+            got.local_rank,
+            got.world_size,
+            got.local_world_size,
+            got.node_rank,
+            got.num_nodes,
+            got.launcher,
+        ) == (rank, rank, 2, 2, 0, 1, "torchrun")
         assert 0 < got.master_port < 65536 and got.master_addr
     assert envs[0].master_port == envs[1].master_port

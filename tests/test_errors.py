@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from job import cli, errors
 from job.errors import (
     EXIT_BAD_INPUT,
@@ -39,7 +39,10 @@ CASES = [
     (BadInput("train.steps=0 must be >= 1.", "pass --train.steps 10.", setting="train.steps", value=0), EXIT_BAD_INPUT),
     (CollectiveTimeout("collective timed out on rank 0.", "raise dist.train_timeout_s."), EXIT_TIMEOUT),
     (DoctorFailed("preflight checks failed: rendezvous."), EXIT_FAILURE),
-    (DataStall("no batch within data.loader_timeout_s=5.", "raise it.", setting="data.loader_timeout_s", value=5), EXIT_FAILURE),
+    (
+        DataStall("no batch within data.loader_timeout_s=5.", "raise it.", setting="data.loader_timeout_s", value=5),
+        EXIT_FAILURE,
+    ),
     (CheckpointWriteError("writing checkpoint failed: no space.", "free space."), EXIT_FAILURE),
     (NonFiniteStateError("not saving: NaN in model.w.", "lower optim.lr."), EXIT_FAILURE),
     (CheckpointLoadError("state.pt refused by weights_only=True.", "move it away."), EXIT_FAILURE),
@@ -82,14 +85,18 @@ def test_foreign_errors_map_to_1_and_torch_timeouts_to_124(monkeypatch: pytest.M
     assert _cli_code(monkeypatch, dist.DistBackendError("NCCL watchdog")) == EXIT_TIMEOUT
 
 
-def test_bad_input_is_one_line_and_other_errors_show_their_traceback(monkeypatch: pytest.MonkeyPatch,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_is_one_line_and_other_errors_show_their_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _cli_code(monkeypatch, CASES[0][0])
     err = capsys.readouterr().err
     assert err == "ddp-job train: error: train.steps=0 must be >= 1. Fix: pass --train.steps 10.\n"
     _cli_code(monkeypatch, CASES[1][0])
     err = capsys.readouterr().err
-    assert "Traceback" in err and "CollectiveTimeout: collective timed out on rank 0. Fix: raise dist.train_timeout_s." in err
+    assert (
+        "Traceback" in err
+        and "CollectiveTimeout: collective timed out on rank 0. Fix: raise dist.train_timeout_s." in err
+    )
 
 
 @pytest.mark.parametrize(("err", "code"), CASES, ids=IDS)
@@ -102,7 +109,10 @@ def test_errors_render_what_and_fix_and_survive_pickling(err: JobError, code: in
 
 def test_one_string_is_enough_to_build_an_error() -> None:
     # torch's DataLoader and multiprocessing rebuild an exception as type(err)(text)
-    assert str(BadInput("Caught BadInput in DataLoader worker process 0.")) == "Caught BadInput in DataLoader worker process 0."
+    assert (
+        str(BadInput("Caught BadInput in DataLoader worker process 0."))
+        == "Caught BadInput in DataLoader worker process 0."
+    )
 
 
 def test_every_exception_type_of_the_package_is_defined_in_job_errors() -> None:
@@ -113,11 +123,16 @@ def test_every_exception_type_of_the_package_is_defined_in_job_errors() -> None:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             bases = {b.id for b in getattr(node, "bases", []) if isinstance(b, ast.Name)}
-            if isinstance(node, ast.ClassDef) and bases & (defined | {"Exception", "RuntimeError", "ValueError", "OSError"}):
+            if isinstance(node, ast.ClassDef) and bases & (
+                defined | {"Exception", "RuntimeError", "ValueError", "OSError"}
+            ):
                 elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert not elsewhere, elsewhere
     assert {t for t, _ in ((type(e), c) for e, c in CASES)} == {
-        obj for obj in vars(errors).values() if isinstance(obj, type) and issubclass(obj, JobError) and obj is not JobError}
+        obj
+        for obj in vars(errors).values()
+        if isinstance(obj, type) and issubclass(obj, JobError) and obj is not JobError
+    }
 
 
 # --- collective timeouts: one rule (job.errors.is_collective_timeout) -----------------------------------
@@ -154,8 +169,16 @@ def _free_port() -> int:
 def test_a_real_gloo_collective_timeout_is_recognised(tmp_path: Path) -> None:
     """torch 2.14.1 raises a plain RuntimeError for a gloo timeout (no torch type): the documented fallback."""
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", GLOO_HANG, str(rank), port], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", GLOO_HANG, str(rank), port],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     seen = [json.loads(line) for line in outs[0][0].splitlines()]
@@ -173,12 +196,15 @@ def test_torch_store_timeouts_are_recognised_by_type() -> None:
     assert is_collective_timeout(e.value) and exit_code_of(e.value) == EXIT_TIMEOUT
 
 
-@pytest.mark.parametrize("err", [
-    RuntimeError("DataLoader timed out after 5 seconds"),  # this rank's input pipeline, not a peer
-    RuntimeError("Connection closed by peer [127.0.0.1]:1234"),  # a peer died: a failure, not a timeout
-    DataStall("DataLoader timed out after 5 seconds: no batch within data.loader_timeout_s=5."),
-    TimeoutError("Timed out waiting for the lock"),  # not torch's type or gloo's RuntimeError
-])
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError("DataLoader timed out after 5 seconds"),  # this rank's input pipeline, not a peer
+        RuntimeError("Connection closed by peer [127.0.0.1]:1234"),  # a peer died: a failure, not a timeout
+        DataStall("DataLoader timed out after 5 seconds: no batch within data.loader_timeout_s=5."),
+        TimeoutError("Timed out waiting for the lock"),  # not torch's type or gloo's RuntimeError
+    ],
+)
 def test_other_errors_are_not_collective_timeouts(err: BaseException) -> None:
     assert not is_collective_timeout(err)
     assert exit_code_of(err) == EXIT_FAILURE

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, base_env, bin_path, make_data, require
 
 STEPS = 10  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
@@ -37,11 +36,41 @@ STEPS = 10  # 64 train images / global batch 16 = 4 steps per epoch: stops below
 def train_args(data: Path, out: Path, name: str, *extra: str) -> list[str]:
     """Small but complete: resnet18 at 16 px, 2 ranks x micro 4 x 2 accumulation steps, 2 DataLoader workers,
     augmentation on (per-sample seeded), SGD with momentum, cosine schedule with warmup."""
-    return ["--run.output-dir", str(out), "--run.name", name, "--data.path", str(data), "--data.num-classes", "4",
-            "--data.image-size", "16", "--data.num-workers", "2", "--model.name", "resnet18", "--model.norm", "group",
-            "--train.steps", str(STEPS), "--train.global-batch-size", "16", "--train.micro-batch-size", "4",
-            "--sched.warmup-steps", "2", "--ckpt.keep-last", "3", "--log.every", "1", "--log.tensorboard", "false",
-            "--log.progress", "off", *extra]
+    return [
+        "--run.output-dir",
+        str(out),
+        "--run.name",
+        name,
+        "--data.path",
+        str(data),
+        "--data.num-classes",
+        "4",
+        "--data.image-size",
+        "16",
+        "--data.num-workers",
+        "2",
+        "--model.name",
+        "resnet18",
+        "--model.norm",
+        "group",
+        "--train.steps",
+        str(STEPS),
+        "--train.global-batch-size",
+        "16",
+        "--train.micro-batch-size",
+        "4",
+        "--sched.warmup-steps",
+        "2",
+        "--ckpt.keep-last",
+        "3",
+        "--log.every",
+        "1",
+        "--log.tensorboard",
+        "false",
+        "--log.progress",
+        "off",
+        *extra,
+    ]
 
 
 class Job:
@@ -53,8 +82,15 @@ class Job:
         self.lines: list[tuple[float, str]] = []
         self.cond = threading.Condition()
         cmd = [bin_path("ddp-job"), "launch", "--standalone", "--nproc-per-node", str(nproc), *launch_opts, "--", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=base_env(tmp),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -159,7 +195,10 @@ def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
 
 # --- exact resume through every kind of interruption ------------------------------------------------------
 
-def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path: Path, tiny_data: Path, jobs: list[Job]) -> None:
+
+def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(
+    tmp_path: Path, tiny_data: Path, jobs: list[Job]
+) -> None:
     out = tmp_path / "runs"
     # The reference runs alongside the first attempt (overlapping the start-up of both).
     ref = Job(tmp_path, [], train_args(tiny_data, out, "ref"))
@@ -173,8 +212,21 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     #    Rank 0 sleeps 10 s before step 3's first forward (the straggler aid) and the signal is sent 3 s after
     #    step 2 is logged, so it lands inside micro-batch 1/2 however loaded the machine is (sent at once, it
     #    can land before the step boundary's stop check). A sleep changes no number.
-    a1 = Job(tmp_path, [], [*chain, "--ckpt.every", "0", "--debug.straggler-delay-s", "10",
-                            "--debug.straggler-rank", "0", "--debug.straggler-steps", "3"])
+    a1 = Job(
+        tmp_path,
+        [],
+        [
+            *chain,
+            "--ckpt.every",
+            "0",
+            "--debug.straggler-delay-s",
+            "10",
+            "--debug.straggler-rank",
+            "0",
+            "--debug.straggler-steps",
+            "3",
+        ],
+    )
     jobs.append(a1)
     a1.wait_for(rf"\[rank 0/2\] INFO step 2/{STEPS} ")
     a1.wait_for(rf"\[rank 1/2\] INFO step 2/{STEPS} ")  # both ranks are past step 2
@@ -198,7 +250,9 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     a2.wait_for(rf"resumed from .*step-{stop1:07d}")
     a2.wait_for(r"writing checkpoint .*step-0000004 in the background")
     a2.signal(signal.SIGTERM)
-    a2.wait_for(r"\[rank 0/2\] INFO stop requested \(signal SIGTERM, received during [^)]*a checkpoint write was in flight\)")
+    a2.wait_for(
+        r"\[rank 0/2\] INFO stop requested \(signal SIGTERM, received during [^)]*a checkpoint write was in flight\)"
+    )
     assert a2.finish() == 143, a2.tail()
 
     # 3. SIGUSR1 to the agent only (Slurm's --signal=B:USR1 reaches the launching process, not the workers).
@@ -224,10 +278,12 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     resumes = [m.start() for m in re.finditer(r"\[rank 0/2\] INFO resumed from \S+ \(step (\d+)", a4.text)]
     assert len(resumes) == 2, f"expected a start and one restart, each resuming:\n{a4.tail()}"
     assert re.findall(r"\[rank 0/2\] INFO resumed from \S+ \(step (\d+)", a4.text) == [str(stop3)] * 2
-    before_restart = a4.text[:resumes[1]]
+    before_restart = a4.text[: resumes[1]]
     last_logged = max(int(s) for s in re.findall(rf"\[rank 0/2\] INFO step (\d+)/{STEPS} ", before_restart))
-    print(f"\nkill -9 of a worker after step {last_logged} was logged: restarted from step {stop3}, "
-          f"{last_logged - stop3} completed step(s) recomputed (plus the step in flight)")
+    print(
+        f"\nkill -9 of a worker after step {last_logged} was logged: restarted from step {stop3}, "
+        f"{last_logged - stop3} completed step(s) recomputed (plus the step in flight)"
+    )
     assert f"FINAL step={STEPS}" in a4.text
 
     assert ref.finish() == 0, ref.tail()
@@ -240,8 +296,9 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
         assert ".tmp" not in step_dir.name, f"torn save left behind: {step_dir}"
 
 
-def test_resumed_four_process_run_is_bitwise_identical_to_an_uninterrupted_one(tmp_path: Path, tiny_data: Path,
-                                                                               jobs: list[Job]) -> None:
+def test_resumed_four_process_run_is_bitwise_identical_to_an_uninterrupted_one(
+    tmp_path: Path, tiny_data: Path, jobs: list[Job]
+) -> None:
     """At 4 ranks the order in which the ring all-reduce sums a gradient element over the ranks depends on the
     element's offset in its DDP bucket, and float addition of 4 values is not associative (at 2 ranks a+b == b+a
     hides this). So every step of a fresh and of a resumed run must use the same bucket layout; otherwise a
@@ -274,10 +331,24 @@ def test_resumed_four_process_run_is_bitwise_identical_to_an_uninterrupted_one(t
 
 # --- a rank that stops participating ------------------------------------------------------------------------
 
+
 def test_hung_peer_ends_in_a_timeout_error(tmp_path: Path, tiny_data: Path, jobs: list[Job]) -> None:
     timeout_s = 10
-    job = Job(tmp_path, [], train_args(tiny_data, tmp_path / "runs", "hang", "--train.steps", "200",
-                                        "--dist.train-timeout-s", str(timeout_s), "--data.num-workers", "0"))
+    job = Job(
+        tmp_path,
+        [],
+        train_args(
+            tiny_data,
+            tmp_path / "runs",
+            "hang",
+            "--train.steps",
+            "200",
+            "--dist.train-timeout-s",
+            str(timeout_s),
+            "--data.num-workers",
+            "0",
+        ),
+    )
     jobs.append(job)
     peer = job.worker_pid(1)
     job.wait_for(r"\[rank 0/2\] INFO step 2/200 ")
@@ -296,21 +367,47 @@ def test_hung_peer_ends_in_a_timeout_error(tmp_path: Path, tiny_data: Path, jobs
 
 # --- non-finite loss ------------------------------------------------------------------------------------------
 
+
 def test_nan_loss_skips_the_update_and_is_never_saved(tmp_path: Path, tiny_data: Path) -> None:
     out = tmp_path / "runs"
-    common = train_args(tiny_data, out, "nan", "--train.steps", "4", "--ckpt.every", "1", "--ckpt.keep-last", "10",
-                        "--train.micro-batch-size", "0", "--data.num-workers", "0")
+    common = train_args(
+        tiny_data,
+        out,
+        "nan",
+        "--train.steps",
+        "4",
+        "--ckpt.every",
+        "1",
+        "--ckpt.keep-last",
+        "10",
+        "--train.micro-batch-size",
+        "0",
+        "--data.num-workers",
+        "0",
+    )
     # Both runs at once (one skips twice and completes, one is allowed a single skip): start-up overlaps.
     env = base_env(tmp_path)
-    procs = [subprocess.Popen([bin_path("ddp-job"), "train", *common, *extra], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for extra in (["--debug.nan-at-steps", "[2,3]"],
-                           ["--run.name", "nan-stop", "--debug.nan-at-steps", "[2,3]", "--train.max-nonfinite-skips", "1"])]
+    procs = [
+        subprocess.Popen(
+            [bin_path("ddp-job"), "train", *common, *extra],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for extra in (
+            ["--debug.nan-at-steps", "[2,3]"],
+            ["--run.name", "nan-stop", "--debug.nan-at-steps", "[2,3]", "--train.max-nonfinite-skips", "1"],
+        )
+    ]
     (out1, err1), (out2, err2) = (p.communicate(timeout=600) for p in procs)
     r = subprocess.CompletedProcess([], procs[0].returncode, out1, err1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(re.findall(r"step [23]: non-finite loss or gradient norm; update skipped", r.stderr + r.stdout)) == 2
-    states = {int(p.name[5:]): torch.load(p / "state.pt", weights_only=True) for p in (out / "nan").glob("step-???????")}
+    states = {
+        int(p.name[5:]): torch.load(p / "state.pt", weights_only=True) for p in (out / "nan").glob("step-???????")
+    }
     assert sorted(states) == [1, 2, 3, 4]
     for step, st in states.items():
         for name, t in st["model"].items():
@@ -331,6 +428,7 @@ def test_nan_loss_skips_the_update_and_is_never_saved(tmp_path: Path, tiny_data:
 
 # --- bad input: exit 2, the setting named, no traceback, nothing written ---------------------------------------
 
+
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -345,8 +443,9 @@ def _fake_checkpoint(run_dir: Path, argv: list[str], world_size: int) -> None:
 
     d = run_dir / "step-0000004"
     d.mkdir(parents=True)
-    (d / "manifest.json").write_text(json.dumps({"step": 4, "world_size": world_size, "files": {},
-                                                 "config": config_to_dict(load_config(argv, {}))}))
+    (d / "manifest.json").write_text(
+        json.dumps({"step": 4, "world_size": world_size, "files": {}, "config": config_to_dict(load_config(argv, {}))})
+    )
 
 
 # (id, extra argv, extra env, setup(tmp, data) -> None, what the message must name)
@@ -356,7 +455,13 @@ BAD_INPUTS = [
     ("lr-negative", ["--optim.lr", "-1"], {}, None, "optim.lr"),
     ("optimizer-unknown", ["--optim.name", "adamx"], {}, None, "optim.name"),
     ("unknown-setting", ["--train.stepz", "5"], {}, None, "stepz"),
-    ("batch-not-divisible", ["--train.global-batch-size", "10", "--train.micro-batch-size", "4"], {}, None, "train.global_batch_size"),
+    (
+        "batch-not-divisible",
+        ["--train.global-batch-size", "10", "--train.micro-batch-size", "4"],
+        {},
+        None,
+        "train.global_batch_size",
+    ),
     ("image-size-tiny", ["--data.image-size", "4"], {}, None, "data.image_size"),
     ("keep-last-zero", ["--ckpt.keep-last", "0"], {}, None, "ckpt.keep_last"),
     ("signal-unknown", ["--train.stop-signals", "[SIGFOO]"], {}, None, "stop_signals"),
@@ -365,27 +470,81 @@ BAD_INPUTS = [
     ("fp16-on-cpu", ["--train.precision", "fp16"], {}, None, "train.precision"),
     ("nccl-on-cpu", ["--dist.backend", "nccl"], {}, None, "dist.backend"),
     ("config-missing", ["--config", "/nonexistent/x.yaml"], {}, None, "--config"),
-    ("config-bad-section", ["--config", "{tmp}/bad-section.yaml"], {},
-     lambda tmp, data: _write(tmp / "bad-section.yaml", "trian:\n  steps: 3\n"), "trian"),
-    ("config-bad-yaml", ["--config", "{tmp}/bad.yaml"], {}, lambda tmp, data: _write(tmp / "bad.yaml", "train: [1,\n"), "YAML"),
+    (
+        "config-bad-section",
+        ["--config", "{tmp}/bad-section.yaml"],
+        {},
+        lambda tmp, data: _write(tmp / "bad-section.yaml", "trian:\n  steps: 3\n"),
+        "trian",
+    ),
+    (
+        "config-bad-yaml",
+        ["--config", "{tmp}/bad.yaml"],
+        {},
+        lambda tmp, data: _write(tmp / "bad.yaml", "train: [1,\n"),
+        "YAML",
+    ),
     ("data-path-missing", ["--data.path", "/nonexistent/data"], {}, None, "data.path"),
     # needs no process group, so refused before the doctor's checks (doctor.json) and config.yaml are written:
-    ("data-smaller-than-a-batch", ["--train.global-batch-size", "128"], {}, None, "64 samples, fewer than one global batch"),
-    ("synthetic-smaller-than-a-batch", ["--data.source", "synthetic", "--data.synthetic-train-size", "4"], {}, None,
-     "data.synthetic_train_size=4"),
+    (
+        "data-smaller-than-a-batch",
+        ["--train.global-batch-size", "128"],
+        {},
+        None,
+        "64 samples, fewer than one global batch",
+    ),
+    (
+        "synthetic-smaller-than-a-batch",
+        ["--data.source", "synthetic", "--data.synthetic-train-size", "4"],
+        {},
+        None,
+        "data.synthetic_train_size=4",
+    ),
     ("model-unknown", ["--model.name", "resnet19"], {}, None, "model.name='resnet19'"),
-    ("model-norm-unsupported", ["--model.name", "mobilenet_v2", "--model.norm", "group", "--doctor.enabled", "false"], {},
-     None, "model.norm"),
+    (
+        "model-norm-unsupported",
+        ["--model.name", "mobilenet_v2", "--model.norm", "group", "--doctor.enabled", "false"],
+        {},
+        None,
+        "model.norm",
+    ),
     ("env-unknown-section", [], {"JOB_OPTIMX__LR": "0.1"}, None, "JOB_OPTIMX__LR"),
     ("config-is-a-directory", ["--config", "{tmp}"], {}, None, "is a directory"),
     ("data-classes-mismatch", ["--data.num-classes", "5"], {}, None, "data.num_classes"),
-    ("data-empty-class", ["--data.path", "{tmp}/holey"], {},
-     lambda tmp, data: [_write(tmp / "holey" / s / c / ("x.png" if c != "c1" or s == "val" else "notes.txt"), "x")
-                        for s in ("train", "val") for c in ("c0", "c1", "c2", "c3")], "class folder"),
+    (
+        "data-empty-class",
+        ["--data.path", "{tmp}/holey"],
+        {},
+        lambda tmp, data: [
+            _write(tmp / "holey" / s / c / ("x.png" if c != "c1" or s == "val" else "notes.txt"), "x")
+            for s in ("train", "val")
+            for c in ("c0", "c1", "c2", "c3")
+        ],
+        "class folder",
+    ),
     ("env-rank-out-of-range", [], {"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, None, "RANK"),
     ("env-world-size-not-int", [], {"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, None, "WORLD_SIZE"),
-    ("env-bad-port", [], {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, None, "MASTER_PORT"),
-    ("output-dir-is-a-file", ["--run.output-dir", "{tmp}/afile"], {}, lambda tmp, data: _write(tmp / "afile", "x"), "run.output_dir"),
+    (
+        "env-bad-port",
+        [],
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "99999",
+        },
+        None,
+        "MASTER_PORT",
+    ),
+    (
+        "output-dir-is-a-file",
+        ["--run.output-dir", "{tmp}/afile"],
+        {},
+        lambda tmp, data: _write(tmp / "afile", "x"),
+        "run.output_dir",
+    ),
     ("output-dir-read-only", ["--run.output-dir", "{tmp}/ro"], {}, "readonly", "run.output_dir"),
     ("resume-config-changed", ["--optim.lr", "0.5"], {}, "checkpoint-lr", "optim.lr"),
     ("resume-world-size-changed", [], {}, "checkpoint-ws2", "world_size=2"),
@@ -393,24 +552,51 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("case", "argv", "env", "setup", "names"), BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_exits_2_naming_the_setting(tmp_path: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch,
-                                               capfd: pytest.CaptureFixture[str], case: str, argv: list[str],
-                                               env: dict[str, str], setup, names: str) -> None:
+def test_bad_input_exits_2_naming_the_setting(
+    tmp_path: Path,
+    tiny_data: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    case: str,
+    argv: list[str],
+    env: dict[str, str],
+    setup,
+    names: str,
+) -> None:
     """In-process (one torch import for the whole table) through the real CLI entry point."""
     import torch.distributed as dist
 
     from job import cli
 
     out = tmp_path / "runs"
-    base = ["--run.output-dir", str(out), "--run.name", "bad", "--data.path", str(tiny_data), "--data.num-classes", "4",
-            "--data.image-size", "16", "--data.num-workers", "0", "--train.steps", "2", "--train.global-batch-size", "8",
-            "--log.tensorboard", "false"]
+    base = [
+        "--run.output-dir",
+        str(out),
+        "--run.name",
+        "bad",
+        "--data.path",
+        str(tiny_data),
+        "--data.num-classes",
+        "4",
+        "--data.image-size",
+        "16",
+        "--data.num-workers",
+        "0",
+        "--train.steps",
+        "2",
+        "--train.global-batch-size",
+        "8",
+        "--log.tensorboard",
+        "false",
+    ]
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     run_dir = out / "bad"
     if setup == "readonly":
         ro = tmp_path / "ro"
         ro.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], capture_output=True, text=True
+        )
         require(r.returncode == 0, f"mount a read-only tmpfs: {r.stderr.strip()}")
         run_dir = ro / "bad"
     elif setup in ("checkpoint-lr", "checkpoint-ws2"):
@@ -418,7 +604,11 @@ def test_bad_input_exits_2_naming_the_setting(tmp_path: Path, tiny_data: Path, m
     elif setup is not None:
         setup(tmp_path, tiny_data)
     before = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) if run_dir.exists() else None
-    for k in [k for k in os.environ if k.startswith(("JOB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_"))]:
+    for k in [
+        k
+        for k in os.environ
+        if k.startswith(("JOB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_"))
+    ]:
         monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -461,24 +651,59 @@ def test_launch_forwards_usr1_and_usr2_unless_the_user_chose_the_signals() -> No
 
 # --- a DataLoader worker that never delivers ----------------------------------------------------------------
 
+
 def test_stalled_data_worker_ends_in_an_error_naming_the_setting(tmp_path: Path) -> None:
     """After step 1 every training image becomes a FIFO nobody writes: the worker's next open() blocks forever,
     as on a hung network mount. Once the prefetched batches are used up the run must end with exit 1 and an
     error naming data.loader_timeout_s: no hang, no blaming the network, the worker not left behind."""
     data = make_data(tmp_path / "data", classes=4, per_class=16, size=16)  # 8 steps per epoch at batch 8
     out = tmp_path / "runs"
-    cmd = [bin_path("ddp-job"), "train", "--run.output-dir", str(out), "--run.name", "stall", "--data.path", str(data),
-           "--data.num-classes", "4", "--data.image-size", "16", "--data.num-workers", "1", "--data.loader-timeout-s", "5",
-           "--model.name", "resnet18", "--train.steps", "40", "--train.global-batch-size", "8", "--log.every", "1",
-           "--log.tensorboard", "false", "--log.progress", "off", "--doctor.enabled", "false", "--ckpt.every", "0"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        bin_path("ddp-job"),
+        "train",
+        "--run.output-dir",
+        str(out),
+        "--run.name",
+        "stall",
+        "--data.path",
+        str(data),
+        "--data.num-classes",
+        "4",
+        "--data.image-size",
+        "16",
+        "--data.num-workers",
+        "1",
+        "--data.loader-timeout-s",
+        "5",
+        "--model.name",
+        "resnet18",
+        "--train.steps",
+        "40",
+        "--train.global-batch-size",
+        "8",
+        "--log.every",
+        "1",
+        "--log.tensorboard",
+        "false",
+        "--log.progress",
+        "off",
+        "--doctor.enabled",
+        "false",
+        "--ckpt.every",
+        "0",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=base_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines = []
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
             if "INFO step 1/40" in line:
                 break
-        workers = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()]
+        workers = [
+            int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()
+        ]
         assert len(workers) == 1, workers  # the one training-loader worker (val workers start only at evaluation)
         for image in (data / "train").rglob("*.png"):
             image.unlink()

@@ -15,11 +15,10 @@ import resource
 import shlex
 import subprocess
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
-
+import tomllib
 from conftest import ROOT, dev_tool, require
 
 SETUP_TIMEOUT_S = 900  # tests/infra/podman-setup.sh: debootstrap + import of the stand-in base (100 s measured)
@@ -28,8 +27,11 @@ SUITE_TIMEOUT_S = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["
 # pytest-timeout counts a test's fixture setup: whichever test here first needs the image (any of them, with
 # -k or --lf) waits for the setup and the build, then runs under the suite's usual limit. Every podman call
 # has its own subprocess timeout besides.
-pytestmark = [pytest.mark.podman, pytest.mark.integration,
-              pytest.mark.timeout(SETUP_TIMEOUT_S + BUILD_TIMEOUT_S + SUITE_TIMEOUT_S)]
+pytestmark = [
+    pytest.mark.podman,
+    pytest.mark.integration,
+    pytest.mark.timeout(SETUP_TIMEOUT_S + BUILD_TIMEOUT_S + SUITE_TIMEOUT_S),
+]
 
 STATE = Path(os.environ.get("PODMAN_STATE", "/var/tmp/ddp-job-podman"))
 TAG = "localhost/ddp-job:test"
@@ -82,8 +84,13 @@ def penv() -> dict[str, str]:
 
     require(shutil.which("podman") is not None, "podman missing: run tests/infra/podman-setup.sh")
     t0 = time.monotonic()
-    p = subprocess.run(["bash", str(ROOT / "tests/infra/podman-setup.sh")], capture_output=True, text=True,
-                       env={**os.environ, "PODMAN_STATE": str(STATE), "SKIP_APT": "1"}, timeout=SETUP_TIMEOUT_S)
+    p = subprocess.run(
+        ["bash", str(ROOT / "tests/infra/podman-setup.sh")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PODMAN_STATE": str(STATE), "SKIP_APT": "1"},
+        timeout=SETUP_TIMEOUT_S,
+    )
     if p.returncode != 0:
         pytest.fail(f"podman-setup.sh failed (rc={p.returncode}):\n{p.stderr[-3000:]}")
     _report("setup_s", round(time.monotonic() - t0, 1))
@@ -104,10 +111,25 @@ def image(penv: dict[str, str]) -> str:
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     pip_args, mounts = _local_pip_sources()
     ca = "/etc/ssl/certs/ca-certificates.crt"
-    cmd = ["build", "--isolation=oci", "--network=host", "-f", str(ROOT / "docker/Dockerfile"), "-t", TAG,
-           "--build-arg", f"BASE_IMAGE={penv['DDP_JOB_BASE_IMAGE']}",
-           "--build-arg", f"VERSION={version}", "--build-arg", f"REVISION={rev or 'unknown'}",
-           *pip_args, *mounts, *([f"-v={ca}:{ca}:ro"] if Path(ca).exists() else []), str(ROOT)]
+    cmd = [
+        "build",
+        "--isolation=oci",
+        "--network=host",
+        "-f",
+        str(ROOT / "docker/Dockerfile"),
+        "-t",
+        TAG,
+        "--build-arg",
+        f"BASE_IMAGE={penv['DDP_JOB_BASE_IMAGE']}",
+        "--build-arg",
+        f"VERSION={version}",
+        "--build-arg",
+        f"REVISION={rev or 'unknown'}",
+        *pip_args,
+        *mounts,
+        *([f"-v={ca}:{ca}:ro"] if Path(ca).exists() else []),
+        str(ROOT),
+    ]
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = podman(penv, *cmd, timeout=BUILD_TIMEOUT_S, check=False)
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -128,8 +150,9 @@ def image(penv: dict[str, str]) -> str:
 def run(penv: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """podman run --rm with its own network namespace (loopback only) unless args choose a network."""
     net = [] if any(a.startswith("--network") for a in args) else ["--network=none"]
-    return subprocess.run(["podman", "run", "--rm", *net, *CPU_ENV, *args], env=penv, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["podman", "run", "--rm", *net, *CPU_ENV, *args], env=penv, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def host_dir(tmp_path: Path, name: str, uid: int) -> Path:
@@ -168,23 +191,33 @@ def test_image_holds_this_checkout_of_the_package(penv: dict[str, str], image: s
     the installed job/*.py and benchmarks/*.py (`ddp-job bench` in the image) must be the working tree's."""
     import hashlib
 
-    code = ("import hashlib, pathlib, job, benchmarks\n"
-            "for m in (job, benchmarks):\n"
-            "    d = pathlib.Path(m.__file__).parent\n"
-            "    for p in sorted(d.glob('*.py')): print(f'{d.name}/{p.name} {hashlib.sha256(p.read_bytes()).hexdigest()}')")
+    code = (
+        "import hashlib, pathlib, job, benchmarks\n"
+        "for m in (job, benchmarks):\n"
+        "    d = pathlib.Path(m.__file__).parent\n"
+        "    for p in sorted(d.glob('*.py')): print(f'{d.name}/{p.name} {hashlib.sha256(p.read_bytes()).hexdigest()}')"
+    )
     p = run(penv, "--entrypoint", "/opt/venv/bin/python", image, "-c", code)
     assert p.returncode == 0, p.stderr
     inside = dict(line.split() for line in p.stdout.splitlines())
-    here = {f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
-            for pkg in ("job", "benchmarks") for f in sorted((ROOT / pkg).glob("*.py"))}
+    here = {
+        f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
+        for pkg in ("job", "benchmarks")
+        for f in sorted((ROOT / pkg).glob("*.py"))
+    }
     assert inside == here, sorted(k for k in here.keys() | inside.keys() if here.get(k) != inside.get(k))
 
 
 def test_default_run_trains_on_cpu_as_non_root_into_host_dir(penv: dict[str, str], image: str, tmp_path: Path) -> None:
     runs = host_dir(tmp_path, "runs", UID)
     t0 = time.monotonic()
-    proc = subprocess.Popen(["podman", "run", "--rm", "--network=none", *CPU_ENV, "-v", f"{runs}:/runs", image], env=penv,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["podman", "run", "--rm", "--network=none", *CPU_ENV, "-v", f"{runs}:/runs", image],
+        env=penv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, first_log = [], None
     assert proc.stdout is not None
     for line in proc.stdout:  # timestamps as lines arrive: container start -> first step log
@@ -211,17 +244,47 @@ def test_overrides_as_args_and_job_env_reach_the_config(penv: dict[str, str], im
     import yaml
 
     # config show: env beats the YAML, a CLI argument beats env (the documented precedence).
-    p = run(penv, "-e", "JOB_TRAIN__STEPS=9", "-e", "JOB_MODEL__NAME=resnet34", image,
-            "config", "show", "--config", DEFAULT_CONFIG, "--train.steps", "7")
+    p = run(
+        penv,
+        "-e",
+        "JOB_TRAIN__STEPS=9",
+        "-e",
+        "JOB_MODEL__NAME=resnet34",
+        image,
+        "config",
+        "show",
+        "--config",
+        DEFAULT_CONFIG,
+        "--train.steps",
+        "7",
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     cfg = yaml.safe_load(p.stdout)
     assert (cfg["train"]["steps"], cfg["model"]["name"], cfg["data"]["source"]) == (7, "resnet34", "synthetic")
     # A real run under an arbitrary host UID (docker run --user $(id -u):$(id -g)) with both kinds of override.
     host_uid = 4321
     runs = host_dir(tmp_path, "runs", host_uid)
-    p = run(penv, "--user", f"{host_uid}:{host_uid}", "-v", f"{runs}:/runs", "-e", "JOB_CKPT__EVERY=2",
-            "-e", "JOB_LOG__EVERY=2", image, "train", "--config", DEFAULT_CONFIG, "--run.name", "ovr",
-            "--train.steps", "4", "--train.global-batch-size", "16")
+    p = run(
+        penv,
+        "--user",
+        f"{host_uid}:{host_uid}",
+        "-v",
+        f"{runs}:/runs",
+        "-e",
+        "JOB_CKPT__EVERY=2",
+        "-e",
+        "JOB_LOG__EVERY=2",
+        image,
+        "train",
+        "--config",
+        DEFAULT_CONFIG,
+        "--run.name",
+        "ovr",
+        "--train.steps",
+        "4",
+        "--train.global-batch-size",
+        "16",
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     resolved = yaml.safe_load((runs / "ovr/config.yaml").read_text())
     assert resolved["train"]["steps"] == 4 and resolved["ckpt"]["every"] == 2 and resolved["log"]["every"] == 2
@@ -244,13 +307,49 @@ def test_two_containers_on_one_network_train_as_two_nodes(penv: dict[str, str], 
         hosts = [f"--add-host={n}:{ip}" for n, ip in ips.items()]
         for name, ip in ips.items():
             procs[name] = subprocess.Popen(
-                ["podman", "run", "--rm", f"--name={net}-{name}", f"--network={net}", f"--ip={ip}", f"--hostname={name}",
-                 *hosts, *CPU_ENV, "-e", "GLOO_SOCKET_IFNAME=eth0", "-v", f"{runs}:/runs", image,
-                 "launch", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", "node0:29400", "--rdzv-id", "podman-two-nodes", "--",
-                 "--config", DEFAULT_CONFIG, "--run.name", "two", "--train.steps", "6", "--ckpt.every", "3",
-                 "--log.every", "3"],
-                env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                [
+                    "podman",
+                    "run",
+                    "--rm",
+                    f"--name={net}-{name}",
+                    f"--network={net}",
+                    f"--ip={ip}",
+                    f"--hostname={name}",
+                    *hosts,
+                    *CPU_ENV,
+                    "-e",
+                    "GLOO_SOCKET_IFNAME=eth0",
+                    "-v",
+                    f"{runs}:/runs",
+                    image,
+                    "launch",
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    "node0:29400",
+                    "--rdzv-id",
+                    "podman-two-nodes",
+                    "--",
+                    "--config",
+                    DEFAULT_CONFIG,
+                    "--run.name",
+                    "two",
+                    "--train.steps",
+                    "6",
+                    "--ckpt.every",
+                    "3",
+                    "--log.every",
+                    "3",
+                ],
+                env=penv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         outs = {n: p.communicate(timeout=600)[0] for n, p in procs.items()}
     finally:
         for name, p in procs.items():
@@ -280,13 +379,20 @@ echo CHECKED
 """
     # This repository's test files, by their path under tests/, outside site-packages (third-party packages ship
     # their own tests/); inside it: no top-level `tests` package, no test files in `job`.
-    ours = [f"-path '*/tests/{f.relative_to(ROOT / 'tests')}'" for f in (ROOT / "tests").rglob("*")
-            if f.is_file() and f.suffix in (".py", ".sh") and "__pycache__" not in f.parts]
+    ours = [
+        f"-path '*/tests/{f.relative_to(ROOT / 'tests')}'"
+        for f in (ROOT / "tests").rglob("*")
+        if f.is_file() and f.suffix in (".py", ".sh") and "__pycache__" not in f.parts
+    ]
     assert ours
     script = script.replace("$OURS", " -o ".join(ours))
     p = run(penv, "--entrypoint", "/bin/sh", image, "-c", script)
     assert "CHECKED" in p.stdout, p.stdout + p.stderr
-    bad = [ln for ln in p.stdout.splitlines() if ln.split(" ")[0] in ("COMPILER", "PIPCACHE", "APTLIST", "SOURCE", "TESTFILE", "TESTPKG")]
+    bad = [
+        ln
+        for ln in p.stdout.splitlines()
+        if ln.split(" ")[0] in ("COMPILER", "PIPCACHE", "APTLIST", "SOURCE", "TESTFILE", "TESTPKG")
+    ]
     assert not bad, bad
     # One copy of the venv: exactly one layer holds the multi-GB Python environment.
     layers = json.loads(podman(penv, "history", "--format", "json", image).stdout)

@@ -17,11 +17,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
-import yaml
-
 import k8s_sim as ks
 import k8s_validate as kv
+import pytest
+import yaml
 from conftest import require
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
@@ -31,12 +30,21 @@ TIMEOUT = 420  # per job; a loaded 2-core machine is 5-10x slower than an idle o
 @pytest.fixture(scope="module", autouse=True)
 def _requirements() -> Iterator[None]:
     require(os.geteuid() == 0, "the operator simulation needs root (network namespaces, mounts)")
-    for tool, package in (("ip", "iproute2"), ("mount", "mount"), ("nsenter", "util-linux"), ("getent", "libc-bin"),
-                          ("kubectl", "kubectl 1.21 or newer, a prerequisite (README.md)")):
-        require(shutil.which(tool) is not None, f"{tool} not found: install {package} (scripts/test.sh installs "
-                "the Debian packages when run as root)")
-    require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
-          "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv")
+    for tool, package in (
+        ("ip", "iproute2"),
+        ("mount", "mount"),
+        ("nsenter", "util-linux"),
+        ("getent", "libc-bin"),
+        ("kubectl", "kubectl 1.21 or newer, a prerequisite (README.md)"),
+    ):
+        require(
+            shutil.which(tool) is not None,
+            f"{tool} not found: install {package} (scripts/test.sh installs the Debian packages when run as root)",
+        )
+    require(
+        (ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
+        "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv",
+    )
     yield
     ks.teardown()  # also after a test that was interrupted before its own clean-up
 
@@ -93,19 +101,45 @@ def _environ(pid: int) -> dict[str, str]:
 def test_operator_env_matches_the_worked_example() -> None:
     """§3's worked example: resnet-ddp, nprocPerNode "8", Master 1 + Worker 3, no port declared."""
     tmpl = {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}}
-    job = {"metadata": {"name": "resnet-ddp"}, "spec": {"nprocPerNode": "8", "pytorchReplicaSpecs": {
-        "Master": {"replicas": 1, "template": tmpl}, "Worker": {"replicas": 3, "template": tmpl}}}}
+    job = {
+        "metadata": {"name": "resnet-ddp"},
+        "spec": {
+            "nprocPerNode": "8",
+            "pytorchReplicaSpecs": {
+                "Master": {"replicas": 1, "template": tmpl},
+                "Worker": {"replicas": 3, "template": tmpl},
+            },
+        },
+    }
     assert [n for *_, n in ks.pod_names(job)] == ["resnet-ddp-master-0"] + [f"resnet-ddp-worker-{i}" for i in range(3)]
     assert dict(ks.operator_env(job, "Master", 0)) == {
-        "PYTHONUNBUFFERED": "1", "MASTER_PORT": "23456", "PET_MASTER_PORT": "23456",
-        "MASTER_ADDR": "resnet-ddp-master-0", "PET_MASTER_ADDR": "resnet-ddp-master-0", "WORLD_SIZE": "32",
-        "RANK": "0", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "8", "PET_NNODES": "4"}
+        "PYTHONUNBUFFERED": "1",
+        "MASTER_PORT": "23456",
+        "PET_MASTER_PORT": "23456",
+        "MASTER_ADDR": "resnet-ddp-master-0",
+        "PET_MASTER_ADDR": "resnet-ddp-master-0",
+        "WORLD_SIZE": "32",
+        "RANK": "0",
+        "PET_NODE_RANK": "0",
+        "PET_NPROC_PER_NODE": "8",
+        "PET_NNODES": "4",
+    }
     assert dict(ks.operator_env(job, "Worker", 2))["RANK"] == "3"
-    el = {"metadata": {"name": "e"}, "spec": {"elasticPolicy": {"maxRestarts": 3}, "pytorchReplicaSpecs": {
-        "Worker": {"replicas": 2, "template": tmpl}}}}
+    el = {
+        "metadata": {"name": "e"},
+        "spec": {
+            "elasticPolicy": {"maxRestarts": 3},
+            "pytorchReplicaSpecs": {"Worker": {"replicas": 2, "template": tmpl}},
+        },
+    }
     assert dict(ks.operator_env(el, "Worker", 1)) == {
-        "PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "auto", "PET_RDZV_ENDPOINT": "e-worker-0:23456",
-        "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:2", "PET_MAX_RESTARTS": "3"}
+        "PYTHONUNBUFFERED": "1",
+        "PET_NPROC_PER_NODE": "auto",
+        "PET_RDZV_ENDPOINT": "e-worker-0:23456",
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_NNODES": "2:2",
+        "PET_MAX_RESTARTS": "3",
+    }
 
 
 def test_two_pods_train_to_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,24 +152,38 @@ def test_two_pods_train_to_completion(tmp_path: Path, monkeypatch: pytest.Monkey
         master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
         _wait_for("running containers", lambda: master.pid1 is not None and worker.pid1 is not None)
         # pid1 is known right after the shim's fork; its environment is the container's only after the exec
-        _wait_for("the worker's container command", lambda: b"ddp-job\x00launch" in Path(f"/proc/{worker.pid1}/cmdline").read_bytes(), 60)
+        _wait_for(
+            "the worker's container command",
+            lambda: b"ddp-job\x00launch" in Path(f"/proc/{worker.pid1}/cmdline").read_bytes(),
+            60,
+        )
         env = _environ(worker.pid1)
         assert {k: env.get(k) for k, _ in ks.operator_env(sim.job, "Worker", 0)} == dict(
-            ks.operator_env(sim.job, "Worker", 0))
+            ks.operator_env(sim.job, "Worker", 0)
+        )
         assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
         assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and "LOCAL_RANK" not in env
         # Nothing of the host's environment leaks in: exactly the image's, the kubelet's HOSTNAME, the
         # container's env and the operator's (a sentinel set here must not reach the pod either).
         container = next(c for c in sim.types["Worker"]["template"]["spec"]["containers"] if c["name"] == "pytorch")
-        declared = {*ks.IMAGE_ENV, "HOSTNAME", *(e["name"] for e in container.get("env") or []),
-                    *(k for k, _ in ks.operator_env(sim.job, "Worker", 0))}
+        declared = {
+            *ks.IMAGE_ENV,
+            "HOSTNAME",
+            *(e["name"] for e in container.get("env") or []),
+            *(k for k, _ in ks.operator_env(sim.job, "Worker", 0)),
+        }
         assert set(env) == declared, sorted(set(env) ^ declared)
         assert env["HOME"] == next(e["value"] for e in container["env"] if e["name"] == "HOME")
         # The pod runs the image: its venv's interpreter and the checkout under test at the image's paths.
         argv = Path(f"/proc/{worker.pid1}/cmdline").read_bytes().split(b"\0")
         assert argv[:2] == [f"{ks.IMAGE_VENV}/bin/python".encode(), f"{ks.IMAGE_VENV}/bin/ddp-job".encode()], argv
-        imported = subprocess.run(["nsenter", "-t", str(worker.pid1), "-m", "python", "-c", "import job; print(job.__file__)"],
-                                  env=env, capture_output=True, text=True, check=False)
+        imported = subprocess.run(
+            ["nsenter", "-t", str(worker.pid1), "-m", "python", "-c", "import job; print(job.__file__)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert imported.stdout.strip() == f"{ks.IMAGE_SRC}/job/__init__.py", imported
         uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
         assert uts.stdout.strip() == "ddp-smoke-worker-0"
@@ -178,25 +226,34 @@ def test_doctor_in_both_pods(tmp_path: Path) -> None:
     # still stop it first (see test_two_pods_train_to_completion): a FAIL would have exited 1 or 2.
     assert len(worker.exit_codes) == 1 and worker.exit_codes[0] in (0, 137), (worker.exit_codes, log_w[-4000:])
     assert "FAIL " not in log_m + log_w and "doctor: 0 FAIL" in log_m, log_m[-4000:]
-    for line in (r"PASS topology\.launcher\s+launcher=torchrun: world size 4 = 2 node\(s\) x 2 process\(es\) per node",
-                 r"PASS topology\.layout\s+4 ranks unique, 2 node\(s\) x 2 as declared, hosts: ddp-smoke-master-0, ddp-smoke-worker-0",
-                 r"PASS rendezvous\s+MASTER_ADDR=ddp-smoke-master-0 MASTER_PORT=23456 resolves to 10\.232\.0\.\d+",
-                 r"PASS communication\.allreduce\s+all-reduce on gloo across 4 rank", r"PASS communication\.bandwidth\s+peak busbw"):
+    for line in (
+        r"PASS topology\.launcher\s+launcher=torchrun: world size 4 = 2 node\(s\) x 2 process\(es\) per node",
+        r"PASS topology\.layout\s+4 ranks unique, 2 node\(s\) x 2 as declared, hosts: ddp-smoke-master-0, ddp-smoke-worker-0",
+        r"PASS rendezvous\s+MASTER_ADDR=ddp-smoke-master-0 MASTER_PORT=23456 resolves to 10\.232\.0\.\d+",
+        r"PASS communication\.allreduce\s+all-reduce on gloo across 4 rank",
+        r"PASS communication\.bandwidth\s+peak busbw",
+    ):
         assert re.search(line, log_m), (line, log_m[-4000:])
     run_dir = _run_dir(sim)
     report = json.loads((run_dir / "doctor.json").read_text())
     assert report["world_size"] == 4 and report["launcher"] == "torchrun" and report["backend"] == "gloo"
     by_rank = {r["rank"]: r for r in report["ranks"]}
-    assert {r: by_rank[r]["host"] for r in by_rank} == {0: "ddp-smoke-master-0", 1: "ddp-smoke-master-0",
-                                                        2: "ddp-smoke-worker-0", 3: "ddp-smoke-worker-0"}
+    assert {r: by_rank[r]["host"] for r in by_rank} == {
+        0: "ddp-smoke-master-0",
+        1: "ddp-smoke-master-0",
+        2: "ddp-smoke-worker-0",
+        3: "ddp-smoke-worker-0",
+    }
     assert {by_rank[r]["env"]["master_addr"] for r in by_rank} == {"ddp-smoke-master-0"}
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["rendezvous"]["status"] == "PASS" and checks["rendezvous"]["ranks"] == [0, 1, 2, 3]
     bw = checks["communication.bandwidth"]["data"]["rows"]
     assert bw and all(r["busbw_GBps"] > 0 for r in bw)
     assert not list(run_dir.glob("step-*")), "doctor must not train"
-    print(f"\ndoctor in 2 pods x 2 processes: {wall:.1f} s job wall (checks {report['wall_s']:.1f} s); gloo busbw "
-          + ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw_GBps']:.3f} GB/s" for r in bw))
+    print(
+        f"\ndoctor in 2 pods x 2 processes: {wall:.1f} s job wall (checks {report['wall_s']:.1f} s); gloo busbw "
+        + ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw_GBps']:.3f} GB/s" for r in bw)
+    )
 
 
 def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:

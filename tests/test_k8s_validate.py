@@ -13,18 +13,19 @@ import copy
 import shutil
 from collections.abc import Callable
 
+import k8s_validate as kv
 import pytest
 import yaml
-
-import k8s_validate as kv
 from conftest import require
 
 OVERLAYS = sorted(p.parent for p in (kv.K8S / "overlays").glob("*/kustomization.yaml"))
 
 
 def _need_kubectl() -> None:
-    require(shutil.which("kubectl") is not None,
-            "kubectl not found: install the Kubernetes client (it renders the kustomize overlays)")
+    require(
+        shutil.which("kubectl") is not None,
+        "kubectl not found: install the Kubernetes client (it renders the kustomize overlays)",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def test_manifest_passes_every_gate(rendered: dict[str, list[dict]], name: str) 
 
 def test_layouts(rendered: dict[str, list[dict]]) -> None:
     """What each overlay promises: processes per pod, pods, GPUs, elastic range, TensorBoard."""
+
     def job(name: str) -> dict:
         return next(d for d in rendered[name] if d["kind"] == "PyTorchJob")["spec"]
 
@@ -66,6 +68,7 @@ def test_layouts(rendered: dict[str, list[dict]]) -> None:
 def test_config_maps_hold_valid_job_configs(rendered: dict[str, list[dict]]) -> None:
     """Each ConfigMap's job.yaml is a config the trainer accepts (job.config rejects unknown keys)."""
     from job import config
+
     for name, docs in rendered.items():
         (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
         raw = yaml.safe_load(cm["data"]["job.yaml"])
@@ -96,6 +99,7 @@ def _set(path: str, value: object) -> Callable[[list[dict]], None]:
             del node[last]
         else:
             node[last] = value
+
     return go
 
 
@@ -122,6 +126,7 @@ def _config(key: str, value: object) -> Callable[[list[dict]], None]:
         section, field = key.split(".")
         cfg[section][field] = value
         cm["data"]["job.yaml"] = yaml.safe_dump(cfg)
+
     return go
 
 
@@ -136,10 +141,14 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "unknown-container-field": (_set(f"{MC}/gpus", 1), "unknown field 'gpus'"),
     "unknown-metadata-field": (_set("metadata/label", {"a": "b"}), "unknown field 'label'"),
     "backoff-over-int32": (_set(f"{SPEC}/runPolicy/backoffLimit", 2**31), "out of int32 range"),
-    "duplicate-container": (lambda d: _rs(d)["template"]["spec"]["containers"].append(
-        copy.deepcopy(_c(d))), "duplicate {'name': 'pytorch'}"),
-    "duplicate-port": (lambda d: _c(d)["ports"].append({"name": "other", "containerPort": 23456}),
-                       "duplicate {'containerPort': 23456, 'protocol': 'TCP'}"),
+    "duplicate-container": (
+        lambda d: _rs(d)["template"]["spec"]["containers"].append(copy.deepcopy(_c(d))),
+        "duplicate {'name': 'pytorch'}",
+    ),
+    "duplicate-port": (
+        lambda d: _c(d)["ports"].append({"name": "other", "containerPort": 23456}),
+        "duplicate {'containerPort': 23456, 'protocol': 'TCP'}",
+    ),
     "bad-quantity": (_set(f"{MC}/resources/limits/memory", "4 GB"), "does not match"),
     "wrong-kind": (_set("kind", "PytorchJob"), "kind 'PytorchJob': check both"),
     "wrong-version": (_set("apiVersion", "kubeflow.org/v2"), "want kubeflow.org/v1 / PyTorchJob"),
@@ -155,9 +164,13 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "restart-policy-case": (_set(f"{M}/restartPolicy", "onFailure"), "restartPolicy='onFailure'"),
     "clean-pod-policy": (_set(f"{SPEC}/runPolicy/cleanPodPolicy", "Finished"), "cleanPodPolicy='Finished'"),
     "managed-by": (_set(f"{SPEC}/runPolicy/managedBy", "me"), "runPolicy.managedBy='me'"),
-    "elastic-without-worker": (lambda d: (_set(f"{SPEC}/elasticPolicy", {"rdzvBackend": "c10d"})(d),
-                                          _set("spec/pytorchReplicaSpecs/Worker", _DELETE)(d)),
-                               "no Worker replica spec"),
+    "elastic-without-worker": (
+        lambda d: (
+            _set(f"{SPEC}/elasticPolicy", {"rdzvBackend": "c10d"})(d),
+            _set("spec/pytorchReplicaSpecs/Worker", _DELETE)(d),
+        ),
+        "no Worker replica spec",
+    ),
     "elastic-nproc-twice": (_set(f"{SPEC}/elasticPolicy", {"nProcPerNode": 2}), "both set"),
     # project rules
     "nproc-auto": (_set(f"{SPEC}/nprocPerNode", "auto"), "nprocPerNode='auto'"),
@@ -166,26 +179,32 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "clean-none": (_set(f"{SPEC}/runPolicy/cleanPodPolicy", "None"), "use Running"),
     "pod-restart-policy": (_set(f"{M}/template/spec/restartPolicy", "Never"), "the operator overwrites it"),
     "plain-torchrun": (_set(f"{MC}/command", ["torchrun", "-m", "job", "train"]), "must start with"),
-    "hard-coded-nnodes": (_set(f"{MC}/args", ["--nnodes=2", "--", "--config", "/config/job.yaml"]),
-                          "hard-code what the operator injects"),
+    "hard-coded-nnodes": (
+        _set(f"{MC}/args", ["--nnodes=2", "--", "--config", "/config/job.yaml"]),
+        "hard-code what the operator injects",
+    ),
     "user-master-addr": (_env("MASTER_ADDR", "x"), "overridden by the operator"),
     "gpu-mismatch": (_set(f"{MC}/resources/limits", {"nvidia.com/gpu": 4}), "!= spec.nprocPerNode '2'"),
     "port-name": (_set(f"{MC}/ports/0/name", "rdzv"), "'pytorchjob-port'"),
-    "no-dshm": (lambda d: _c(d).__setitem__("volumeMounts", [
-        m for m in _c(d)["volumeMounts"] if m["mountPath"] != "/dev/shm"]), "at /dev/shm"),
+    "no-dshm": (
+        lambda d: _c(d).__setitem__("volumeMounts", [m for m in _c(d)["volumeMounts"] if m["mountPath"] != "/dev/shm"]),
+        "at /dev/shm",
+    ),
     "dshm-on-disk": (_set(f"{M}/template/spec/volumes/2/emptyDir", {}), "medium: Memory"),
     "output-not-on-pvc": (_config("run.output_dir", "/tmp/runs"), "is not on the shared volume"),
-    "config-key-missing": (_set(f"{MC}/args", ["--", "--config", "/config/other.yaml"]),
-                           "is not a key of ConfigMap"),
+    "config-key-missing": (_set(f"{MC}/args", ["--", "--config", "/config/other.yaml"]), "is not a key of ConfigMap"),
     "root": (_set(f"{M}/template/spec/securityContext/runAsNonRoot", False), "runAsNonRoot: true"),
     "escalation": (_set(f"{MC}/securityContext/allowPrivilegeEscalation", True), "allowPrivilegeEscalation"),
-    "missing-pvc": (lambda d: d.remove(next(x for x in d if x["kind"] == "PersistentVolumeClaim")),
-                    "is not in the rendered manifests"),
+    "missing-pvc": (
+        lambda d: d.remove(next(x for x in d if x["kind"] == "PersistentVolumeClaim")),
+        "is not in the rendered manifests",
+    ),
     # built-in kinds (kubernetes-validate, strict)
-    "pvc-unknown-field": (_kind("PersistentVolumeClaim", lambda p: p["spec"].__setitem__("size", "1Gi")),
-                          "PersistentVolumeClaim/ddp-job-workspace"),
-    "configmap-data-not-string": (_kind("ConfigMap", lambda c: c["data"].__setitem__("n", 3)),
-                                  "ConfigMap/"),
+    "pvc-unknown-field": (
+        _kind("PersistentVolumeClaim", lambda p: p["spec"].__setitem__("size", "1Gi")),
+        "PersistentVolumeClaim/ddp-job-workspace",
+    ),
+    "configmap-data-not-string": (_kind("ConfigMap", lambda c: c["data"].__setitem__("n", 3)), "ConfigMap/"),
 }
 
 

@@ -16,8 +16,8 @@ test_elastic_restart_recovers below repeats the --standalone case through launch
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
-from job.launchers.torchrun import build_torchrun_args, map_exit_codes, split_argv, standalone_argv, _parser
+from job.launchers.torchrun import _parser, build_torchrun_args, map_exit_codes, split_argv, standalone_argv
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT = "import sys; from job.launchers.torchrun import launch_main; sys.exit(launch_main(sys.argv[1:], module='tests.launch_worker'))"
@@ -35,12 +35,21 @@ AGENT = "import sys; from job.launchers.torchrun import launch_main; sys.exit(la
 
 # --- pure: argument handling and the mapping ------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("argv", "options", "train"),
     [
         (["--nproc-per-node", "2", "--", "--config", "c.yaml"], ["--nproc-per-node", "2"], ["--config", "c.yaml"]),
-        (["--standalone", "--nproc-per-node=2", "--config", "c.yaml"], ["--standalone", "--nproc-per-node=2"], ["--config", "c.yaml"]),
-        (["--nnodes", "2", "--rdzv-backend", "c10d", "--train.steps", "5"], ["--nnodes", "2", "--rdzv-backend", "c10d"], ["--train.steps", "5"]),
+        (
+            ["--standalone", "--nproc-per-node=2", "--config", "c.yaml"],
+            ["--standalone", "--nproc-per-node=2"],
+            ["--config", "c.yaml"],
+        ),
+        (
+            ["--nnodes", "2", "--rdzv-backend", "c10d", "--train.steps", "5"],
+            ["--nnodes", "2", "--rdzv-backend", "c10d"],
+            ["--train.steps", "5"],
+        ),
         (["--", "--nproc-per-node", "3"], [], ["--nproc-per-node", "3"]),  # after -- everything is train's
         ([], [], []),
     ],
@@ -63,11 +72,16 @@ def test_worker_command_is_job_train(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--nproc-per-node", "2", "--", "doctor", "--run.name", "x"], ["doctor", "--run.name", "x"]),
         (["--nproc-per-node", "2", "doctor", "--run.name", "x"], ["doctor", "--run.name", "x"]),  # without --
         (["--nproc-per-node", "2", "--", "train", "--run.name", "x"], ["train", "--run.name", "x"]),  # explicit train
-        (["--nproc-per-node", "2", "--", "--run.name", "doctor"], ["train", "--run.name", "doctor"]),  # a value, not the command
+        (
+            ["--nproc-per-node", "2", "--", "--run.name", "doctor"],
+            ["train", "--run.name", "doctor"],
+        ),  # a value, not the command
         (["--nproc-per-node", "2"], ["train"]),
     ],
 )
-def test_first_word_chooses_the_worker_command(monkeypatch: pytest.MonkeyPatch, argv: list[str], script_args: list[str]) -> None:
+def test_first_word_chooses_the_worker_command(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], script_args: list[str]
+) -> None:
     for name in [k for k in os.environ if k.startswith("PET_")]:
         monkeypatch.delenv(name)
     args = build_torchrun_args(argv)
@@ -126,12 +140,18 @@ def test_map_exit_codes(codes: list[int], expected: int) -> None:
 
 # --- the real torchrun agent ---------------------------------------------------------------------------
 
+
 def _agent_env(tmp_path: Path, plan: str, on_signal: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_", "TORCH_DISABLE_SHARE"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_", "TORCH_DISABLE_SHARE"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(
-        TMPDIR=str(tmp_path), LAUNCH_TEST_DIR=str(tmp_path), LAUNCH_TEST_PLAN=plan,
+        TMPDIR=str(tmp_path),
+        LAUNCH_TEST_DIR=str(tmp_path),
+        LAUNCH_TEST_PLAN=plan,
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
     )
     if on_signal is not None:
@@ -142,8 +162,12 @@ def _agent_env(tmp_path: Path, plan: str, on_signal: str | None) -> dict[str, st
 def _launch(tmp_path: Path, plan: str, on_signal: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     argv = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", *extra]
     return subprocess.Popen(
-        [sys.executable, "-c", AGENT, *argv], env=_agent_env(tmp_path, plan, on_signal), cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-c", AGENT, *argv],
+        env=_agent_env(tmp_path, plan, on_signal),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -202,7 +226,9 @@ def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 240) ->
     ],
     ids=["sigterm-saved", "sigint-saved", "sigint-killed"],
 )
-def test_signal_to_the_agent_reaches_the_workers(tmp_path: Path, sig: signal.Signals, on_signal: str | None, expected: int) -> None:
+def test_signal_to_the_agent_reaches_the_workers(
+    tmp_path: Path, sig: signal.Signals, on_signal: str | None, expected: int
+) -> None:
     proc = _launch(tmp_path, "0:0:60,1:0:60", on_signal)
     _wait_ready(tmp_path, proc)
     proc.send_signal(sig)
@@ -220,8 +246,9 @@ def test_elastic_restart_recovers(tmp_path: Path) -> None:
     env = _agent_env(tmp_path, "", None)
     agent = AGENT.replace("tests.launch_worker", "tests.launch_restart_worker")
     argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
-    proc = subprocess.run([sys.executable, "-c", agent, *argv], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=480)
+    proc = subprocess.run(
+        [sys.executable, "-c", agent, *argv], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=480
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert (tmp_path / "crashed-once").exists()  # the first round really failed

@@ -10,12 +10,24 @@ import json
 from pathlib import Path
 
 import pytest
-
-from job.observe.observer import stall_report, summarize
 from conftest import base_env, make_data, torchrun
 
-TINY = ["--data.num-classes", "4", "--data.image-size", "16", "--data.num-workers", "0", "--train.global-batch-size", "8",
-        "--model.name", "resnet18", "--ckpt.every", "0"]
+from job.observe.observer import stall_report, summarize
+
+TINY = [
+    "--data.num-classes",
+    "4",
+    "--data.image-size",
+    "16",
+    "--data.num-workers",
+    "0",
+    "--train.global-batch-size",
+    "8",
+    "--model.name",
+    "resnet18",
+    "--ckpt.every",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +45,21 @@ def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 # --- pure ------------------------------------------------------------------------------------------------
 
+
 def test_summarize_names_the_busiest_rank_and_derives_throughput() -> None:
     # fields: step_s, busy_s, data_wait_frac, peak_alloc_mb, peak_reserved_mb, rss_mb, peak_rss_mb
     rows = [[1.0, 0.40, 0.1, 0, 0, 100, 120], [1.0, 0.95, 0.5, 0, 0, 110, 130], [0.9, 0.50, 0.0, 0, 0, 90, 95]]
     s = summarize(rows, global_batch=96, flops_per_sample=2e9, peak_tflops=100.0)
-    assert s["straggler/slowest_rank"] == 1 and s["straggler/busy_s_max"] == 0.95 and s["straggler/busy_s_median"] == 0.5
+    assert (
+        s["straggler/slowest_rank"] == 1 and s["straggler/busy_s_max"] == 0.95 and s["straggler/busy_s_median"] == 0.5
+    )
     assert s["straggler/spread"] == pytest.approx(1.9)
-    assert s["perf/samples_per_s_global"] == pytest.approx(96.0) and s["perf/samples_per_s_per_device"] == pytest.approx(32.0)
-    assert s["perf/tflops_per_device"] == pytest.approx(2e9 * 32 / 1e12) and s["perf/mfu"] == pytest.approx(2e9 * 32 / 1e12 / 100)
+    assert s["perf/samples_per_s_global"] == pytest.approx(96.0) and s[
+        "perf/samples_per_s_per_device"
+    ] == pytest.approx(32.0)
+    assert s["perf/tflops_per_device"] == pytest.approx(2e9 * 32 / 1e12) and s["perf/mfu"] == pytest.approx(
+        2e9 * 32 / 1e12 / 100
+    )
     assert s["rank/1/data_wait_frac"] == 0.5 and s["mem/peak_rss_mb_max"] == 130
     assert "perf/mfu" not in summarize(rows, 96, 2e9, 0.0)  # no peak known: no MFU, but still TFLOP/s
 
@@ -62,14 +81,40 @@ def test_stall_report_names_the_rank_that_never_reached_the_collective(tmp_path:
 
 # --- real runs ---------------------------------------------------------------------------------------------
 
+
 def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path, data: Path) -> None:
     delay = 2.0
     run_dir = tmp_path / "runs" / "slow"
-    r = torchrun(2, ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "slow",
-                     "--train.steps", "4", "--log.every", "2", "--debug.straggler-delay-s", str(delay), "--debug.straggler-rank", "1",
-                     "--observe.profile-start", "1", "--observe.profile-steps", "1"], env=base_env(tmp_path), timeout=600)
+    r = torchrun(
+        2,
+        [
+            "--data.path",
+            str(data),
+            *TINY,
+            "--run.output-dir",
+            str(run_dir.parent),
+            "--run.name",
+            "slow",
+            "--train.steps",
+            "4",
+            "--log.every",
+            "2",
+            "--debug.straggler-delay-s",
+            str(delay),
+            "--debug.straggler-rank",
+            "1",
+            "--observe.profile-start",
+            "1",
+            "--observe.profile-steps",
+            "1",
+        ],
+        env=base_env(tmp_path),
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "doctor: 0 FAIL" in r.stdout and json.loads((run_dir / "doctor.json").read_text())["world_size"] == 2  # train's quick phase
+    assert (
+        "doctor: 0 FAIL" in r.stdout and json.loads((run_dir / "doctor.json").read_text())["world_size"] == 2
+    )  # train's quick phase
     s = scalars(run_dir / "tb")
     slowest = s["straggler/slowest_rank"]
     assert [step for step, _ in slowest] == [2, 4]
@@ -78,8 +123,14 @@ def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path,
         assert b1 - b0 > 0.5 * delay, (s["rank/0/busy_s"], s["rank/1/busy_s"])
     # the fast rank spent the delay waiting: its step takes as long as the slow rank's
     assert all(v > delay for _, v in s["straggler/step_s_min"])
-    for tag in ("perf/samples_per_s_global", "perf/samples_per_s_per_device", "perf/tflops_per_device", "mem/peak_rss_mb_max",
-                "rank/0/data_wait_frac", "rank/1/data_wait_frac"):
+    for tag in (
+        "perf/samples_per_s_global",
+        "perf/samples_per_s_per_device",
+        "perf/tflops_per_device",
+        "mem/peak_rss_mb_max",
+        "rank/0/data_wait_frac",
+        "rank/1/data_wait_frac",
+    ):
         assert tag in s and all(v >= 0 for _, v in s[tag]), tag
     assert s["mem/peak_rss_mb_max"][-1][1] > 50  # a torch process holds far more than 50 MiB
     assert "perf/mfu" not in s  # CPU: no peak FLOP/s known, so no made-up MFU
@@ -94,10 +145,34 @@ def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path,
 
 def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -> None:
     run_dir = tmp_path / "runs" / "hang"
-    r = torchrun(2, ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "hang",
-                     "--train.steps", "6", "--log.every", "1", "--doctor.enabled", "false", "--dist.train-timeout-s", "2",
-                     "--debug.straggler-delay-s", "12", "--debug.straggler-rank", "1", "--debug.straggler-steps", "3"],
-                 env=base_env(tmp_path), timeout=600)
+    r = torchrun(
+        2,
+        [
+            "--data.path",
+            str(data),
+            *TINY,
+            "--run.output-dir",
+            str(run_dir.parent),
+            "--run.name",
+            "hang",
+            "--train.steps",
+            "6",
+            "--log.every",
+            "1",
+            "--doctor.enabled",
+            "false",
+            "--dist.train-timeout-s",
+            "2",
+            "--debug.straggler-delay-s",
+            "12",
+            "--debug.straggler-rank",
+            "1",
+            "--debug.straggler-steps",
+            "3",
+        ],
+        env=base_env(tmp_path),
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     line = next((ln for ln in out.splitlines() if "CollectiveTimeout: collective timed out on rank 0" in ln), None)

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import base_env, load_final_state, run_cli
 from torch import nn
 
-from conftest import base_env, load_final_state, run_cli
 from job.config import load_config
+from job.config.plan import make_plan
 from job.data.loaders import build_loaders, to_device
 from job.errors import BadInput
 from job.train.optim import build_optimizer, build_scheduler
-from job.config.plan import make_plan
 
 # --- LR: scaling rule + warmup + schedule against closed forms ---------------------------------------------------
 
@@ -46,27 +46,73 @@ def warm(t: int, peak: float, w: int, s: float) -> float:
 
 @pytest.mark.parametrize("rule,expected", [("none", 0.1), ("linear", 0.1 * 1024 / 256), ("sqrt", 0.1 * 2.0)])
 def test_lr_scaling_rules(rule: str, expected: float) -> None:
-    peak, _ = scheduled_lrs(["--optim.lr", "0.1", "--optim.lr-scaling", rule, "--train.global-batch-size", "1024",
-                             "--train.steps", "3", "--sched.name", "constant"], world_size=4)
+    peak, _ = scheduled_lrs(
+        [
+            "--optim.lr",
+            "0.1",
+            "--optim.lr-scaling",
+            rule,
+            "--train.global-batch-size",
+            "1024",
+            "--train.steps",
+            "3",
+            "--sched.name",
+            "constant",
+        ],
+        world_size=4,
+    )
     assert peak == pytest.approx(expected, rel=1e-12)
 
 
 def test_warmup_cosine_closed_form() -> None:
     T, W, s, floor = 40, 5, 0.1, 0.05
-    peak, lrs = scheduled_lrs(["--optim.lr", "0.2", "--optim.lr-scaling", "linear", "--train.global-batch-size", "512",
-                               "--train.steps", str(T), "--sched.warmup-steps", str(W), "--sched.min-lr-factor", str(floor)])
+    peak, lrs = scheduled_lrs(
+        [
+            "--optim.lr",
+            "0.2",
+            "--optim.lr-scaling",
+            "linear",
+            "--train.global-batch-size",
+            "512",
+            "--train.steps",
+            str(T),
+            "--sched.warmup-steps",
+            str(W),
+            "--sched.min-lr-factor",
+            str(floor),
+        ]
+    )
     assert peak == pytest.approx(0.4)
     eta = peak * floor
-    want = [warm(t, peak, W, s) if t < W else eta + (peak - eta) * (1 + math.cos(math.pi * (t - W) / (T - W))) / 2
-            for t in range(T)]
+    want = [
+        warm(t, peak, W, s) if t < W else eta + (peak - eta) * (1 + math.cos(math.pi * (t - W) / (T - W))) / 2
+        for t in range(T)
+    ]
     assert lrs == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
 def test_warmup_step_closed_form() -> None:
     T, W = 30, 4
-    peak, lrs = scheduled_lrs(["--optim.lr", "0.1", "--optim.lr-scaling", "sqrt", "--train.global-batch-size", "64",
-                               "--train.steps", str(T), "--sched.name", "step", "--sched.warmup-steps", str(W),
-                               "--sched.step-size", "7", "--sched.gamma", "0.5"])
+    peak, lrs = scheduled_lrs(
+        [
+            "--optim.lr",
+            "0.1",
+            "--optim.lr-scaling",
+            "sqrt",
+            "--train.global-batch-size",
+            "64",
+            "--train.steps",
+            str(T),
+            "--sched.name",
+            "step",
+            "--sched.warmup-steps",
+            str(W),
+            "--sched.step-size",
+            "7",
+            "--sched.gamma",
+            "0.5",
+        ]
+    )
     assert peak == pytest.approx(0.05)
     want = [warm(t, peak, W, 0.1) if t < W else peak * 0.5 ** ((t - W) // 7) for t in range(T)]
     assert lrs == pytest.approx(want, rel=1e-9)
@@ -74,32 +120,68 @@ def test_warmup_step_closed_form() -> None:
 
 def test_warmup_multistep_milestones_are_absolute_steps() -> None:
     T, W = 20, 3
-    peak, lrs = scheduled_lrs(["--optim.lr", "0.3", "--train.steps", str(T), "--sched.name", "multistep",
-                               "--sched.warmup-steps", str(W), "--sched.milestones", "[8,15]", "--sched.gamma", "0.1"])
+    peak, lrs = scheduled_lrs(
+        [
+            "--optim.lr",
+            "0.3",
+            "--train.steps",
+            str(T),
+            "--sched.name",
+            "multistep",
+            "--sched.warmup-steps",
+            str(W),
+            "--sched.milestones",
+            "[8,15]",
+            "--sched.gamma",
+            "0.1",
+        ]
+    )
     want = [warm(t, peak, W, 0.1) if t < W else peak * 0.1 ** sum(t >= m for m in (8, 15)) for t in range(T)]
     assert lrs == pytest.approx(want, rel=1e-9)
 
 
 def test_onecycle_closed_form() -> None:
     T, pct, div, fdiv = 50, 0.3, 25.0, 1e4
-    peak, lrs = scheduled_lrs(["--optim.lr", "0.8", "--optim.lr-scaling", "linear", "--train.global-batch-size", "128",
-                               "--train.steps", str(T), "--sched.name", "onecycle", "--sched.pct-start", str(pct)])
+    peak, lrs = scheduled_lrs(
+        [
+            "--optim.lr",
+            "0.8",
+            "--optim.lr-scaling",
+            "linear",
+            "--train.global-batch-size",
+            "128",
+            "--train.steps",
+            str(T),
+            "--sched.name",
+            "onecycle",
+            "--sched.pct-start",
+            str(pct),
+        ]
+    )
     assert peak == pytest.approx(0.4)
     init, low, e1 = peak / div, peak / div / fdiv, pct * T - 1
 
     def cos_anneal(a: float, b: float, f: float) -> float:
         return b + (a - b) / 2 * (math.cos(math.pi * f) + 1)
 
-    want = [cos_anneal(init, peak, t / e1) if t <= e1 else cos_anneal(peak, low, (t - e1) / (T - 1 - e1)) for t in range(T)]
+    want = [
+        cos_anneal(init, peak, t / e1) if t <= e1 else cos_anneal(peak, low, (t - e1) / (T - 1 - e1)) for t in range(T)
+    ]
     assert lrs == pytest.approx(want, rel=1e-9)
     assert max(lrs) == pytest.approx(peak, rel=1e-3)
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--sched.name", "onecycle", "--sched.warmup-steps", "3"], "one-cycle has its own warmup"),
-    (["--sched.name", "multistep", "--sched.milestones", "[5,3]"], "sched.milestones=[5, 3]"),
-    (["--sched.name", "multistep", "--sched.warmup-steps", "4", "--sched.milestones", "[2]"], "after sched.warmup_steps=4"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--sched.name", "onecycle", "--sched.warmup-steps", "3"], "one-cycle has its own warmup"),
+        (["--sched.name", "multistep", "--sched.milestones", "[5,3]"], "sched.milestones=[5, 3]"),
+        (
+            ["--sched.name", "multistep", "--sched.warmup-steps", "4", "--sched.milestones", "[2]"],
+            "after sched.warmup_steps=4",
+        ),
+    ],
+)
 def test_inconsistent_schedules_are_bad_input(args: list[str], fragment: str) -> None:
     with pytest.raises(BadInput, match=re.escape(fragment)):
         load_config(args, {})
@@ -125,17 +207,44 @@ SCHEDULES = {
 def small_cnn(classes: int) -> nn.Module:
     """Conv + BatchNorm + linear: every kind of parameter group the optimizers treat differently, at a
     fraction of a ResNet's cost (the full ResNet path runs in the EMA test below)."""
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(32, classes))
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, classes),
+    )
 
 
 def train_losses(tiny_data: Path, optimizer: str, schedule: str, steps: int = 12) -> list[float]:
     """Full-batch training on the first 16 generated training images; the loss on them before each step."""
-    args = ["--optim.name", optimizer, *OPTIMIZERS[optimizer], "--sched.name", schedule, *SCHEDULES[schedule],
-            "--train.steps", str(steps), "--data.path", str(tiny_data), "--data.num-classes", "4",
-            "--data.image-size", "16", "--data.num-workers", "0", "--data.augment", "false",
-            "--optim.weight-decay", "0.0001"]
+    args = [
+        "--optim.name",
+        optimizer,
+        *OPTIMIZERS[optimizer],
+        "--sched.name",
+        schedule,
+        *SCHEDULES[schedule],
+        "--train.steps",
+        str(steps),
+        "--data.path",
+        str(tiny_data),
+        "--data.num-classes",
+        "4",
+        "--data.image-size",
+        "16",
+        "--data.num-workers",
+        "0",
+        "--data.augment",
+        "false",
+        "--optim.weight-decay",
+        "0.0001",
+    ]
     cfg = load_config(args, {})
     cpu = torch.device("cpu")
     images, labels = to_device(next(iter(build_loaders(cfg.data, 0, 1, 16, 0, cpu).train)), cpu)
@@ -154,7 +263,9 @@ def train_losses(tiny_data: Path, optimizer: str, schedule: str, steps: int = 12
     return losses
 
 
-@pytest.mark.parametrize("optimizer,schedule", [*((o, "cosine") for o in OPTIMIZERS), *(("sgd", s) for s in SCHEDULES if s != "cosine")])
+@pytest.mark.parametrize(
+    "optimizer,schedule", [*((o, "cosine") for o in OPTIMIZERS), *(("sgd", s) for s in SCHEDULES if s != "cosine")]
+)
 def test_optimizer_and_schedule_decrease_the_loss(tiny_data: Path, optimizer: str, schedule: str) -> None:
     losses = train_losses(tiny_data, optimizer, schedule)
     assert all(math.isfinite(x) for x in losses), losses
@@ -179,13 +290,46 @@ def test_no_decay_groups_for_every_optimizer() -> None:
 
 # --- EMA: evaluated, checkpointed, restored exactly on resume ----------------------------------------------------
 
+
 def test_ema_checkpointed_and_restored_on_resume(tmp_path: Path, tiny_data: Path) -> None:
     env = base_env(tmp_path)
-    common = ["train", "--run.output-dir", str(tmp_path), "--data.path", str(tiny_data), "--data.num-classes", "4",
-              "--data.image-size", "16", "--data.num-workers", "0", "--model.name", "resnet18", "--train.steps", "4",
-              "--train.global-batch-size", "8", "--ckpt.every", "2", "--log.every", "1", "--optim.name", "lars",
-              "--optim.lr", "1.0", "--sched.name", "onecycle", "--train.label-smoothing", "0.1",
-              "--ema.enabled", "true", "--ema.decay", "0.5", "--log.tensorboard", "false"]
+    common = [
+        "train",
+        "--run.output-dir",
+        str(tmp_path),
+        "--data.path",
+        str(tiny_data),
+        "--data.num-classes",
+        "4",
+        "--data.image-size",
+        "16",
+        "--data.num-workers",
+        "0",
+        "--model.name",
+        "resnet18",
+        "--train.steps",
+        "4",
+        "--train.global-batch-size",
+        "8",
+        "--ckpt.every",
+        "2",
+        "--log.every",
+        "1",
+        "--optim.name",
+        "lars",
+        "--optim.lr",
+        "1.0",
+        "--sched.name",
+        "onecycle",
+        "--train.label-smoothing",
+        "0.1",
+        "--ema.enabled",
+        "true",
+        "--ema.decay",
+        "0.5",
+        "--log.tensorboard",
+        "false",
+    ]
     a = run_cli([*common, "--run.name", "a"], env=env)
     assert a.returncode == 0, a.stderr[-3000:]
     assert re.search(r"EMA val_top1=[\d.]+ val_loss=[\d.]+", a.stderr + a.stdout), a.stderr[-2000:]
@@ -212,21 +356,42 @@ def test_ema_checkpointed_and_restored_on_resume(tmp_path: Path, tiny_data: Path
 
 # --- DataParallel baseline: refused on CPU ------------------------------------------------------------------------
 
+
 def test_dp_strategy_refused_on_cpu(tmp_path: Path) -> None:
     # CUDA_VISIBLE_DEVICES="" hides any GPU, so this is the CPU case on every machine.
-    r = run_cli(["train", "--train.strategy", "dp", "--data.source", "synthetic", "--run.output-dir", str(tmp_path),
-                 "--train.steps", "1"], env=base_env(tmp_path, CUDA_VISIBLE_DEVICES=""))
+    r = run_cli(
+        [
+            "train",
+            "--train.strategy",
+            "dp",
+            "--data.source",
+            "synthetic",
+            "--run.output-dir",
+            str(tmp_path),
+            "--train.steps",
+            "1",
+        ],
+        env=base_env(tmp_path, CUDA_VISIBLE_DEVICES=""),
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "train.strategy='dp' needs CUDA GPUs" in r.stderr and "--train.strategy ddp" in r.stderr
     assert not (tmp_path / "default").exists(), "nothing may be written before the input is checked"
 
 
-@pytest.mark.parametrize("args,world_size,cuda,fragment", [
-    (["--train.strategy", "dp"], 2, True, "world_size=2 processes"),
-    (["--train.strategy", "dp", "--ddp.comm-hook", "bf16"], 1, True, "ddp.comm_hook='bf16' needs train.strategy='ddp'"),
-    (["--train.strategy", "dp", "--optim.zero", "true"], 1, True, "optim.zero=True needs train.strategy='ddp'"),
-    (["--ddp.comm-hook", "powersgd"], 2, False, "ddp.comm_hook='powersgd' needs the nccl backend"),
-])
+@pytest.mark.parametrize(
+    "args,world_size,cuda,fragment",
+    [
+        (["--train.strategy", "dp"], 2, True, "world_size=2 processes"),
+        (
+            ["--train.strategy", "dp", "--ddp.comm-hook", "bf16"],
+            1,
+            True,
+            "ddp.comm_hook='bf16' needs train.strategy='ddp'",
+        ),
+        (["--train.strategy", "dp", "--optim.zero", "true"], 1, True, "optim.zero=True needs train.strategy='ddp'"),
+        (["--ddp.comm-hook", "powersgd"], 2, False, "ddp.comm_hook='powersgd' needs the nccl backend"),
+    ],
+)
 def test_dp_strategy_refusals(args: list[str], world_size: int, cuda: bool, fragment: str) -> None:
     from job.parallel.ddp import validate
 

@@ -13,7 +13,9 @@ from conftest import ROOT
 
 def test_constraints_match_pyproject_and_the_installed_closure() -> None:
     env = {"PATH": "/usr/bin:/bin", "VENV": str(Path(sys.executable).parent.parent)}
-    r = subprocess.run(["bash", str(ROOT / "scripts/lock.sh"), "--check"], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts/lock.sh"), "--check"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, f"{r.stdout}{r.stderr}\nFix: run scripts/lock.sh and commit constraints.txt"
 
 
@@ -25,7 +27,7 @@ def test_torch_pins_are_the_required_ones() -> None:
 
 def _reading_order() -> str:
     readme = (ROOT / "README.md").read_text()
-    return readme[readme.index("## Reading order"):readme.index("Optimizers, ZeRO, communication hooks")]
+    return readme[readme.index("## Reading order") : readme.index("Optimizers, ZeRO, communication hooks")]
 
 
 def test_readme_reading_order_names_every_module() -> None:
@@ -49,5 +51,5 @@ def test_readme_lists_the_real_config_sections() -> None:
     from job.config import JobConfig
 
     readme = (ROOT / "README.md").read_text()
-    listed = readme[readme.index("with the sections `") + len("with the sections `"):].split("`", 1)[0].split()
+    listed = readme[readme.index("with the sections `") + len("with the sections `") :].split("`", 1)[0].split()
     assert listed == list(JobConfig.model_fields)

@@ -15,19 +15,50 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, base_env, bin_path, load_final_state, make_data, torchrun
 
 ACCUM = 3  # micro 4 x 3 accumulation steps x 2 ranks = global batch 24
 
 
 def common_args(out: Path) -> list[str]:
-    return ["--run.output-dir", str(out), "--data.source", "synthetic", "--data.synthetic-train-size", "96",
-            "--data.synthetic-val-size", "16", "--data.image-size", "16", "--data.num-classes", "4",
-            "--model.name", "resnet18", "--train.steps", "4", "--train.global-batch-size", str(4 * ACCUM * 2),
-            "--train.micro-batch-size", "4", "--optim.name", "adamw", "--optim.lr", "0.001", "--sched.warmup-steps", "1",
-            "--ckpt.every", "2", "--log.every", "1", "--log.tensorboard", "false",
-            "--ddp.comm-stats", "true", "--ddp.bucket-cap-mb", "4"]
+    return [
+        "--run.output-dir",
+        str(out),
+        "--data.source",
+        "synthetic",
+        "--data.synthetic-train-size",
+        "96",
+        "--data.synthetic-val-size",
+        "16",
+        "--data.image-size",
+        "16",
+        "--data.num-classes",
+        "4",
+        "--model.name",
+        "resnet18",
+        "--train.steps",
+        "4",
+        "--train.global-batch-size",
+        str(4 * ACCUM * 2),
+        "--train.micro-batch-size",
+        "4",
+        "--optim.name",
+        "adamw",
+        "--optim.lr",
+        "0.001",
+        "--sched.warmup-steps",
+        "1",
+        "--ckpt.every",
+        "2",
+        "--log.every",
+        "1",
+        "--log.tensorboard",
+        "false",
+        "--ddp.comm-stats",
+        "true",
+        "--ddp.bucket-cap-mb",
+        "4",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +86,11 @@ def test_zero_matches_plain_optimizer(zero_runs: dict[str, Path]) -> None:
     assert plain["trainer"]["step"] == zero["trainer"]["step"] == 4
     worst = max((plain["model"][k].float() - v.float()).abs().max().item() for k, v in zero["model"].items())
     assert worst <= 1e-6, f"ZeRO and plain AdamW differ by {worst}"
-    moved = max((plain["model"][k].float() - v.float()).abs().max().item()
-                for k, v in load_final_state_at(zero_runs["zero"], 2)["model"].items() if v.is_floating_point())
+    moved = max(
+        (plain["model"][k].float() - v.float()).abs().max().item()
+        for k, v in load_final_state_at(zero_runs["zero"], 2)["model"].items()
+        if v.is_floating_point()
+    )
     assert moved > 0, "parameters did not change between step 2 and 4: the comparison would be vacuous"
 
 
@@ -81,8 +115,11 @@ def test_zero_checkpoint_is_complete_and_resume_is_bitwise(zero_runs: dict[str, 
 @pytest.mark.parametrize("run", ["plain", "zero"])
 def test_one_all_reduce_per_bucket_per_optimizer_step(zero_runs: dict[str, Path], run: str) -> None:
     log = (zero_runs[run].parent / f"{run}.log").read_text()
-    m = re.search(r"comm: all-reduce calls per optimizer step \[([\d, ]+)\] \(total (\d+)\), distinct buckets (\d+), "
-                  r"grad_accum_steps (\d+)", log)
+    m = re.search(
+        r"comm: all-reduce calls per optimizer step \[([\d, ]+)\] \(total (\d+)\), distinct buckets (\d+), "
+        r"grad_accum_steps (\d+)",
+        log,
+    )
     assert m, log[-3000:]
     per_step = [int(x) for x in m.group(1).split(",")]
     total, buckets, accum = int(m.group(2)), int(m.group(3)), int(m.group(4))
@@ -97,7 +134,9 @@ def test_static_graph_with_accumulation_trains_like_plain_ddp(zero_runs: dict[st
     """static_graph's first iteration must be synced: a fresh DDP fails in a backward under no_sync(). The
     start-up passes of wrap_model make that first iteration, so step 1 may start with no_sync() micro-steps,
     and the parameters end as with plain DDP (same arithmetic, same final bucket layout)."""
-    r = torchrun(2, [*common_args(tmp_path), "--run.name", "static", "--ddp.static-graph", "true"], env=base_env(tmp_path))
+    r = torchrun(
+        2, [*common_args(tmp_path), "--run.name", "static", "--ddp.static-graph", "true"], env=base_env(tmp_path)
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     plain, static = load_final_state(zero_runs["plain"]), load_final_state(tmp_path / "static")
     assert static["trainer"]["step"] == 4
@@ -109,8 +148,14 @@ def test_static_graph_with_accumulation_trains_like_plain_ddp(zero_runs: dict[st
 def worker_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("hooks")
     data = make_data(out / "data", classes=4, per_class=8, size=16)
-    cmd = [bin_path("torchrun"), "--standalone", "--nproc-per-node=2", str(ROOT / "tests" / "parallel_worker.py"),
-           str(out / "results.json"), str(data)]
+    cmd = [
+        bin_path("torchrun"),
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "tests" / "parallel_worker.py"),
+        str(out / "results.json"),
+        str(data),
+    ]
     r = subprocess.run(cmd, env=base_env(out), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads((out / "results.json").read_text())
@@ -145,8 +190,19 @@ def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
     from job.parallel.distributed import Runtime
     from job.train.model import build_model
 
-    cfg = load_config(["--model.name", "mobilenet_v3_small", "--data.image-size", "32", "--data.num-classes", "4",
-                       "--ddp.static-graph", str(static_graph).lower()], {})
+    cfg = load_config(
+        [
+            "--model.name",
+            "mobilenet_v3_small",
+            "--data.image-size",
+            "32",
+            "--data.num-classes",
+            "4",
+            "--ddp.static-graph",
+            str(static_graph).lower(),
+        ],
+        {},
+    )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)

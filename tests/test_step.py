@@ -24,11 +24,40 @@ from job.train import debug
 from job.train.parts import Parts, build_parts
 from job.train.step import TrainState, train_step
 
-ARGS = ["--data.source", "synthetic", "--data.num-classes", "4", "--data.image-size", "16",
-        "--data.synthetic-train-size", "64", "--data.synthetic-val-size", "8", "--data.num-workers", "0",
-        "--model.name", "resnet18", "--model.norm", "group", "--optim.name", "sgd", "--optim.momentum", "0",
-        "--optim.weight-decay", "0", "--sched.name", "constant", "--sched.warmup-steps", "0",
-        "--train.global-batch-size", "8", "--train.steps", "4", "--doctor.enabled", "false"]
+ARGS = [
+    "--data.source",
+    "synthetic",
+    "--data.num-classes",
+    "4",
+    "--data.image-size",
+    "16",
+    "--data.synthetic-train-size",
+    "64",
+    "--data.synthetic-val-size",
+    "8",
+    "--data.num-workers",
+    "0",
+    "--model.name",
+    "resnet18",
+    "--model.norm",
+    "group",
+    "--optim.name",
+    "sgd",
+    "--optim.momentum",
+    "0",
+    "--optim.weight-decay",
+    "0",
+    "--sched.name",
+    "constant",
+    "--sched.warmup-steps",
+    "0",
+    "--train.global-batch-size",
+    "8",
+    "--train.steps",
+    "4",
+    "--doctor.enabled",
+    "false",
+]
 
 
 @pytest.fixture

@@ -13,10 +13,32 @@ from pathlib import Path
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 from job.launchers import stop
 
-TINY = ["--data.source", "synthetic", "--data.num-classes", "4", "--data.image-size", "16",
-        "--data.synthetic-train-size", "64", "--data.synthetic-val-size", "8", "--data.num-workers", "0",
-        "--model.name", "resnet18", "--train.global-batch-size", "8", "--train.steps", "4", "--log.every", "1",
-        "--doctor.enabled", "false", "--log.tensorboard", "false"]
+TINY = [
+    "--data.source",
+    "synthetic",
+    "--data.num-classes",
+    "4",
+    "--data.image-size",
+    "16",
+    "--data.synthetic-train-size",
+    "64",
+    "--data.synthetic-val-size",
+    "8",
+    "--data.num-workers",
+    "0",
+    "--model.name",
+    "resnet18",
+    "--train.global-batch-size",
+    "8",
+    "--train.steps",
+    "4",
+    "--log.every",
+    "1",
+    "--doctor.enabled",
+    "false",
+    "--log.tensorboard",
+    "false",
+]
 
 
 def test_states_and_transitions(tmp_path: Path) -> None:
@@ -38,8 +60,9 @@ def test_states_and_transitions(tmp_path: Path) -> None:
 
 def train(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     args = [*TINY, "--run.output-dir", str(tmp_path / "runs"), "--run.name", "r"]
-    return subprocess.run([sys.executable, "-m", "job", "train", *args], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, "-m", "job", "train", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
 
 
 def test_request_before_start_is_honoured_after_the_first_step_then_discarded(tmp_path: Path) -> None:

@@ -24,15 +24,18 @@ from job.launchers.submit import (
 def test_parse_sweep() -> None:
     assert parse_sweep("optim.lr=0.1,0.2") == ("optim.lr", ["0.1", "0.2"])
     for bad in ("optim.lr", "lr=0.1", "optim.lr=", "optim.lr=,"):
-        with pytest.raises(BadInput, match="section.field=v1,v2"):
+        with pytest.raises(BadInput, match=r"section\.field=v1,v2"):
             parse_sweep(bad)
 
 
 def test_sweep_runs_is_a_grid_with_one_run_name_each() -> None:
     runs = sweep_runs("exp", ["optim.lr=0.1,0.2", "train.global_batch_size=8,16"])
     assert [name for name, _ in runs] == [
-        "exp-lr=0.1_global_batch_size=8", "exp-lr=0.1_global_batch_size=16",
-        "exp-lr=0.2_global_batch_size=8", "exp-lr=0.2_global_batch_size=16"]
+        "exp-lr=0.1_global_batch_size=8",
+        "exp-lr=0.1_global_batch_size=16",
+        "exp-lr=0.2_global_batch_size=8",
+        "exp-lr=0.2_global_batch_size=16",
+    ]
     assert runs[1][1] == ["--optim.lr", "0.1", "--train.global-batch-size", "16"]
     assert sweep_runs("exp", []) == [("exp", [])]
 
@@ -47,8 +50,18 @@ def test_stop_signals_leave_submitits_signal_alone() -> None:
 
 def test_run_argv_fixes_the_run_directory(tmp_path: Path) -> None:
     argv = run_argv(["--train.steps", "5"], tmp_path, "r1", ["--optim.lr", "0.1"], "SIGUSR2")
-    assert argv == ["--train.steps", "5", "--optim.lr", "0.1", "--run.output-dir", str(tmp_path), "--run.name", "r1",
-                    "--train.stop-signals", "SIGTERM,SIGINT,SIGUSR1"]
+    assert argv == [
+        "--train.steps",
+        "5",
+        "--optim.lr",
+        "0.1",
+        "--run.output-dir",
+        str(tmp_path),
+        "--run.name",
+        "r1",
+        "--train.stop-signals",
+        "SIGTERM,SIGINT,SIGUSR1",
+    ]
 
 
 def test_node_address_keeps_resolvable_names() -> None:
@@ -56,18 +69,35 @@ def test_node_address_keeps_resolvable_names() -> None:
 
 
 def test_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "job.launchers.submit", "--gpus-per-node", "2", "--tasks-per-node", "3",
-                           "--log-folder", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "job.launchers.submit",
+            "--gpus-per-node",
+            "2",
+            "--tasks-per-node",
+            "3",
+            "--log-folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "--tasks-per-node 3 with --gpus-per-node 2" in proc.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["--run.output-dir", "OUT", "--run.name", "NAME"],
-    ["--run.output_dir", "OUT", "--run.name=NAME"],
-    ["--run.output-dir=OUT", "--run.name", "NAME"],
-    ["--run.output_dir=OUT", "--run.name=NAME"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--run.output-dir", "OUT", "--run.name", "NAME"],
+        ["--run.output_dir", "OUT", "--run.name=NAME"],
+        ["--run.output-dir=OUT", "--run.name", "NAME"],
+        ["--run.output_dir=OUT", "--run.name=NAME"],
+    ],
+)
 def test_the_users_run_directory_is_taken_out_of_the_train_args(args: list[str]) -> None:
     rest, given = split_run_dir_args(["--train.steps", "5", *args, "--optim.lr", "0.1"])
     assert rest == ["--train.steps", "5", "--optim.lr", "0.1"]
@@ -90,26 +120,53 @@ def test_train_args_win_over_submits_defaults_and_conflicts_are_refused(tmp_path
     same = parser.parse_args(["--output-dir", f"{tmp_path}/mine/", "--name", "r1"])
     assert run_dir_choice(same, {"output_dir": str(tmp_path / "mine"), "name": "r1"}) == (tmp_path / "mine", "r1")
     other = parser.parse_args(["--output-dir", str(tmp_path / "theirs")])
-    with pytest.raises(BadInput, match="--output-dir .*theirs and the train argument --run.output-dir .*mine disagree"):
+    with pytest.raises(
+        BadInput, match=r"--output-dir .*theirs and the train argument --run\.output-dir .*mine disagree"
+    ):
         run_dir_choice(other, {"output_dir": str(tmp_path / "mine")})
-    with pytest.raises(BadInput, match="--name a and the train argument --run.name b disagree"):
+    with pytest.raises(BadInput, match=r"--name a and the train argument --run\.name b disagree"):
         run_dir_choice(parser.parse_args(["--name", "a"]), {"name": "b"})
 
 
 def _submit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "job.launchers.submit", "--log-folder", str(tmp_path / "logs"),
-                           "--gpus-per-node", "0", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "job.launchers.submit",
+            "--log-folder",
+            str(tmp_path / "logs"),
+            "--gpus-per-node",
+            "0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.parametrize("spelling", [["--run.output-dir", "{d}"], ["--run.output_dir={d}"]])
 def test_submit_prints_and_trains_into_the_users_run_directory(tmp_path: Path, spelling: list[str]) -> None:
     """submitit's debug backend submits without Slurm (nothing runs until a result is asked for)."""
     mine = tmp_path / "mine"
-    proc = _submit(tmp_path, "--cluster", "debug", "--", "--train.steps", "3", *[a.format(d=mine) for a in spelling],
-                   "--run.name", "r1")
+    proc = _submit(
+        tmp_path,
+        "--cluster",
+        "debug",
+        "--",
+        "--train.steps",
+        "3",
+        *[a.format(d=mine) for a in spelling],
+        "--run.name",
+        "r1",
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"run_dir={mine / 'r1'} " in proc.stdout, proc.stdout
-    sweep = _submit(tmp_path, "--cluster", "debug", "--sweep", "optim.lr=0.1,0.2", "--", *[a.format(d=mine) for a in spelling])
+    sweep = _submit(
+        tmp_path, "--cluster", "debug", "--sweep", "optim.lr=0.1,0.2", "--", *[a.format(d=mine) for a in spelling]
+    )
     assert sweep.returncode == 0, sweep.stderr
     assert sweep.stdout.count(f"run_dir={mine}/ddp-job-") == 2, sweep.stdout
 
@@ -119,8 +176,19 @@ def test_a_failed_task_reports_its_exit_code_as_data(tmp_path: Path) -> None:
     2), the task records 2 as its result and submit --wait exits 2 (submitit itself would keep only text)."""
     import submitit
 
-    proc = _submit(tmp_path, "--cluster", "local", "--tasks-per-node", "1", "--wait", "--",
-                   "--data.path", str(tmp_path / "no-such-data"), "--run.output-dir", str(tmp_path / "runs"))
+    proc = _submit(
+        tmp_path,
+        "--cluster",
+        "local",
+        "--tasks-per-node",
+        "1",
+        "--wait",
+        "--",
+        "--data.path",
+        str(tmp_path / "no-such-data"),
+        "--run.output-dir",
+        str(tmp_path / "runs"),
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     job_id = proc.stdout.split()[2]
     assert f"job {job_id} done: exit=2" in proc.stdout

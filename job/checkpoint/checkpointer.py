@@ -17,8 +17,14 @@ log = logging.getLogger("job")
 
 
 class Checkpointer:
-    def __init__(self, manager: CheckpointManager, states: States, every: int, total_steps: int,
-                 meta: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        states: States,
+        every: int,
+        total_steps: int,
+        meta: Callable[[], dict[str, Any]],
+    ) -> None:
         self.manager, self.states, self.every, self.total_steps, self.meta = manager, states, every, total_steps, meta
         self.saved_step = -1
         """The newest step saved or restored by this run (identical on every rank)."""

@@ -17,10 +17,25 @@ log = logging.getLogger("job")
 # Settings that may differ between the saved run and the resumed one without changing the math:
 # where things live, how processes are launched, logging, checkpoint cadence, the training horizon.
 MAY_CHANGE = (
-    "run.name", "run.output_dir", "dist.", "data.path", "data.num_workers", "data.prefetch_factor",
-    "data.pin_memory", "data.loader_timeout_s", "train.steps", "train.eval_every", "train.stop_signals", "train.max_nonfinite_skips",
-    "ckpt.", "log.", "doctor.", "observe.", "debug.",
-    "data.device_prefetch", "ddp.comm_stats",  # copy overlap / a counting hook: same math
+    "run.name",
+    "run.output_dir",
+    "dist.",
+    "data.path",
+    "data.num_workers",
+    "data.prefetch_factor",
+    "data.pin_memory",
+    "data.loader_timeout_s",
+    "train.steps",
+    "train.eval_every",
+    "train.stop_signals",
+    "train.max_nonfinite_skips",
+    "ckpt.",
+    "log.",
+    "doctor.",
+    "observe.",
+    "debug.",
+    "data.device_prefetch",
+    "ddp.comm_stats",  # copy overlap / a counting hook: same math
 )
 
 
@@ -30,8 +45,12 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     py_version, py_state, py_gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+        "numpy": {
+            "keys": torch.from_numpy(np_keys.astype(np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "gauss": float(np_gauss),
+        },
         "python": {"version": py_version, "state": list(py_state), "gauss": py_gauss},
     }
     if device.type == "cuda":
@@ -52,11 +71,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def config_differences(saved: dict[str, Any], current: JobConfig) -> list[str]:
     a, b = flatten(saved), flatten(config_to_dict(current))
     keys = sorted(set(a) | set(b))
-    return [f"{k}: checkpoint {a.get(k)!r} -> now {b.get(k)!r}" for k in keys
-            if a.get(k) != b.get(k) and not k.startswith(MAY_CHANGE)]
+    return [
+        f"{k}: checkpoint {a.get(k)!r} -> now {b.get(k)!r}"
+        for k in keys
+        if a.get(k) != b.get(k) and not k.startswith(MAY_CHANGE)
+    ]
 
 
-def map_data_position(trainer: dict[str, Any], saved_plan: dict[str, Any], world_size: int, micro_batch_size: int) -> int:
+def map_data_position(
+    trainer: dict[str, Any], saved_plan: dict[str, Any], world_size: int, micro_batch_size: int
+) -> int:
     """This layout's ``micro_batches_in_epoch`` for a position saved with another world size / micro batch.
 
     A position is "samples consumed in the epoch" = micro-batches x saved world size x saved micro batch
@@ -77,12 +101,15 @@ def map_data_position(trainer: dict[str, Any], saved_plan: dict[str, Any], world
             f"world_size={world_size} x micro batch {micro_batch_size}: {samples} is not a multiple of {row}.",
             f"keep train.global_batch_size={saved_plan.get('global_batch_size')} and choose "
             f"train.micro_batch_size so that it divides the position, or resume with {saved_plan['world_size']} processes.",
-            setting="train.micro_batch_size", value=micro_batch_size,
+            setting="train.micro_batch_size",
+            value=micro_batch_size,
         )
     return samples // row
 
 
-def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int, micro_batch_size: int | None = None) -> None:
+def check_resumable(
+    manifest: dict[str, Any], cfg: JobConfig, world_size: int, micro_batch_size: int | None = None
+) -> None:
     """Refuse a resume that would silently change the run; say what differs and which flag allows it.
 
     World-size changes: the data position is stored per optimizer step and each global batch holds the
@@ -96,7 +123,8 @@ def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int, m
             f"the newest checkpoint (step {manifest.get('step')}) was written with a different config:\n  "
             + "\n  ".join(diffs),
             "restore those settings, use a new run.name, or pass --ckpt.allow-config-change true.",
-            setting="ckpt.allow_config_change", value=False,
+            setting="ckpt.allow_config_change",
+            value=False,
         )
     saved_ws = manifest.get("world_size")
     if saved_ws != world_size and not cfg.ckpt.allow_world_size_change:
@@ -106,7 +134,7 @@ def check_resumable(manifest: dict[str, Any], cfg: JobConfig, world_size: int, m
             f"launch {saved_ws} processes, or pass "
             f"--ckpt.allow-world-size-change true (supported: the data position is mapped by samples consumed, "
             f"so the sample order is kept when train.global_batch_size is unchanged; per-rank RNG streams are re-seeded "
-            f"and results match the uninterrupted run up to floating-point summation order)."
+            f"and results match the uninterrupted run up to floating-point summation order).",
         )
     trainer, saved_plan = manifest.get("trainer"), manifest.get("plan")
     if saved_ws != world_size and micro_batch_size is not None and trainer and saved_plan:
@@ -129,7 +157,10 @@ def find_resume(cfg: JobConfig, world_size: int, micro_batch_size: int) -> Any:
             log.warning(
                 "ckpt.resume=false: ignoring %d checkpoint(s) in %s (newest %s); a later run with ckpt.resume=true "
                 "resumes from the newest of all. Use a new run.name to keep runs apart.",
-                len(existing), cfg.run_dir, existing[0][1].name)
+                len(existing),
+                cfg.run_dir,
+                existing[0][1].name,
+            )
         return None
     found = ckpt.find_latest(cfg.run_dir)
     if found is not None:
@@ -150,4 +181,6 @@ def agree_on_checkpoint(found: Any, group: Any = None) -> None:
         raise CheckpointLoadError(
             f"ranks found different newest checkpoints (steps {oldest} to {newest}; -1 = none). The run directory "
             f"must be on a filesystem every rank sees the same way.",
-            "put run.output_dir on shared storage.", setting="run.output_dir")
+            "put run.output_dir on shared storage.",
+            setting="run.output_dir",
+        )

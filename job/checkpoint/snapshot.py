@@ -52,7 +52,7 @@ class HostStaging:
         self._next = 0
         self._device_copies = False
         out = self._copy(obj)
-        del self._buffers[self._next:], self._keys[self._next:]
+        del self._buffers[self._next :], self._keys[self._next :]
         if self._device_copies:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before anyone reads
         return out

@@ -65,7 +65,8 @@ class States:
             raise CheckpointLoadError(
                 f"the checkpoint has no {', '.join(missing)} (it holds {', '.join(sorted(saved))}): it was written "
                 f"by another version of ddp-job.",
-                "resume with the version that wrote it, or start a new run (a new run.name).")
+                "resume with the version that wrote it, or start a new run (a new run.name).",
+            )
         for name, obj in self._entries.items():
             obj.load_state_dict(saved.get(name))
 
@@ -104,7 +105,8 @@ class Progress:
         if self.layout.world_size_changed:
             world_size = int(self.layout.current["world_size"])
             self.state.micro_batches_in_epoch = map_data_position(
-                saved, self.layout.saved["plan"], world_size, self.micro_batch_size)
+                saved, self.layout.saved["plan"], world_size, self.micro_batch_size
+            )
 
 
 class OptimizerState:

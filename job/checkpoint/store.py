@@ -115,7 +115,7 @@ def load_state(found: Found) -> dict[str, Any]:
     path = found.path / STATE_FILE
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - pickle.UnpicklingError, RuntimeError, ... all mean "refused"
+    except Exception as e:
         raise CheckpointLoadError(
             f"{path} verifies against its manifest but torch.load(weights_only=True) refused it "
             f"({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}). A checkpoint may hold only tensors and "
@@ -155,7 +155,9 @@ def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dic
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        manifest = dict(meta, step=step, files={STATE_FILE: {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}})
+        manifest = dict(
+            meta, step=step, files={STATE_FILE: {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}}
+        )
         mpath = tmp / MANIFEST
         with mpath.open("w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -213,7 +215,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 class CheckpointManager:
     """Saves (rank 0 only), prunes to the newest ``keep_last`` valid checkpoints, finds the latest."""
 
-    def __init__(self, run_dir: Path, keep_last: int, async_save: bool, is_main: bool, write_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, run_dir: Path, keep_last: int, async_save: bool, is_main: bool, write_delay_s: float = 0.0
+    ) -> None:
         self.run_dir = run_dir
         self.write_delay_s = write_delay_s
         self.keep_last = keep_last
@@ -241,7 +245,9 @@ class CheckpointManager:
         # Async: into buffers kept between saves (safe: the previous write was waited for above).
         state = self._staging.snapshot(state_fn()) if self._staging is not None else to_host(state_fn())
         if self.async_save:
-            self._thread = threading.Thread(target=self._write_and_prune, args=(step, state, meta), name="ckpt-writer", daemon=False)
+            self._thread = threading.Thread(
+                target=self._write_and_prune, args=(step, state, meta), name="ckpt-writer", daemon=False
+            )
             self._thread.start()
             # Logged once the writer runs, so "in flight" is true for anyone who reacts to this line.
             log.info("writing checkpoint %s in the background", self.run_dir / step_dir_name(step))
@@ -256,7 +262,7 @@ class CheckpointManager:
             path = _write_checkpoint(self.run_dir, step, state, meta)
             log.info("saved checkpoint %s", path)
             self.prune(just_written=path)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread by wait()
+        except BaseException as e:
             self._error = e
 
     def _raise_pending(self) -> None:
@@ -282,7 +288,7 @@ class CheckpointManager:
         so it does not hide the error that ended the run."""
         try:
             self.wait()
-        except Exception as e:  # noqa: BLE001 - reported here; the run is ending anyway
+        except Exception as e:
             log.error("the last checkpoint write failed: %s", e)
 
     def prune(self, just_written: Path | None = None) -> None:

@@ -20,7 +20,22 @@ from job.config.schema import (
 )
 
 __all__ = [
-    "CkptConfig", "DataConfig", "DdpConfig", "DistConfig", "DoctorConfig", "EmaConfig", "JobConfig", "LogConfig",
-    "ModelConfig", "ObserveConfig", "OptimConfig", "RunConfig", "SchedConfig", "TrainConfig",
-    "config_to_dict", "dump_config", "flatten", "load_config",
+    "CkptConfig",
+    "DataConfig",
+    "DdpConfig",
+    "DistConfig",
+    "DoctorConfig",
+    "EmaConfig",
+    "JobConfig",
+    "LogConfig",
+    "ModelConfig",
+    "ObserveConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SchedConfig",
+    "TrainConfig",
+    "config_to_dict",
+    "dump_config",
+    "flatten",
+    "load_config",
 ]

@@ -68,21 +68,33 @@ def _check_yaml(path: Path) -> None:
             fix += f", e.g. one of {', '.join(files)}"
         raise BadInput(f"--config {path} is a directory, not a YAML file.", fix + ".", setting="--config", value=path)
     if not path.is_file():
-        raise BadInput(f"--config {path}: no such file.", "pass an existing YAML file, e.g. configs/cpu-smoke.yaml.",
-                       setting="--config", value=path)
+        raise BadInput(
+            f"--config {path}: no such file.",
+            "pass an existing YAML file, e.g. configs/cpu-smoke.yaml.",
+            setting="--config",
+            value=path,
+        )
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise BadInput(f"--config {path}: not valid YAML ({e}).", "correct the file's syntax.",
-                       setting="--config", value=path) from None
+        raise BadInput(
+            f"--config {path}: not valid YAML ({e}).", "correct the file's syntax.", setting="--config", value=path
+        ) from None
     if data is not None and not isinstance(data, dict):
-        raise BadInput(f"--config {path}: top level must be a mapping of sections (run:, data:, ...), got {type(data).__name__}.",
-                       "write the file as `section: {field: value}` mappings, e.g. `optim: {lr: 0.1}`.",
-                       setting="--config", value=path)
+        raise BadInput(
+            f"--config {path}: top level must be a mapping of sections (run:, data:, ...), got {type(data).__name__}.",
+            "write the file as `section: {field: value}` mappings, e.g. `optim: {lr: 0.1}`.",
+            setting="--config",
+            value=path,
+        )
     for section, value in (data or {}).items():
         if section not in JobConfig.model_fields:
-            raise BadInput(f"--config {path}: unknown section {section!r}.", f"use one of the valid sections: {_sections()}.",
-                           setting=str(section), value=value)
+            raise BadInput(
+                f"--config {path}: unknown section {section!r}.",
+                f"use one of the valid sections: {_sections()}.",
+                setting=str(section),
+                value=value,
+            )
 
 
 def _meant_as_setting(rest: str) -> bool:
@@ -102,7 +114,7 @@ def _check_env(environ: Mapping[str, str]) -> None:
         upper = name.upper()
         if not upper.startswith(ENV_PREFIX) or upper in NON_CONFIG_ENV:
             continue
-        rest = upper[len(ENV_PREFIX):].lower()
+        rest = upper[len(ENV_PREFIX) :].lower()
         section = rest.split("__", 1)[0]
         if section not in JobConfig.model_fields and _meant_as_setting(rest):
             raise BadInput(
@@ -110,7 +122,9 @@ def _check_env(environ: Mapping[str, str]) -> None:
                 "would be ignored.",
                 f"spell it JOB_<SECTION>__<FIELD> with one of the sections {_sections()} (e.g. JOB_OPTIM__LR), "
                 f"or unset it. JOB_* variables that are not settings: {', '.join(sorted(NON_CONFIG_ENV))}.",
-                setting=name, value=value)
+                setting=name,
+                value=value,
+            )
 
 
 def _setting_names() -> list[str]:
@@ -131,14 +145,20 @@ def _flag_spellings() -> dict[str, str]:
 def _check_flags(argv: Sequence[str]) -> None:
     """Name an unknown ``--flag`` and the closest known ones (argparse only says "unrecognized arguments")."""
     flags = [f"--{name.replace('_', '-')}" for name in _setting_names()]
-    known = {"--help", *(f"--{section}" for section in JobConfig.model_fields), *flags, *(f"--{n}" for n in _setting_names())}
+    known = {
+        "--help",
+        *(f"--{section}" for section in JobConfig.model_fields),
+        *flags,
+        *(f"--{n}" for n in _setting_names()),
+    }
     for arg in argv:
         flag = arg.split("=", 1)[0]
         if flag.startswith("--") and flag not in known:
             close = difflib.get_close_matches(flag, flags, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise BadInput(f"unknown option {flag}.", f"{hint}`ddp-job train --help` lists every setting.",
-                           setting=flag, value=arg)
+            raise BadInput(
+                f"unknown option {flag}.", f"{hint}`ddp-job train --help` lists every setting.", setting=flag, value=arg
+            )
 
 
 def _problem(e: Any) -> BadInput:
@@ -148,16 +168,24 @@ def _problem(e: Any) -> BadInput:
     if e["type"] != "extra_forbidden":
         flag = "--" + loc.replace("_", "-")
         env = ENV_PREFIX + loc.upper().replace(".", "__")
-        return BadInput(f"bad value for {loc}: {e.get('input')!r}: {e['msg']}.",
-                        f"set a valid value in the YAML file, {env} or {flag}.", setting=loc, value=e.get("input"))
+        return BadInput(
+            f"bad value for {loc}: {e.get('input')!r}: {e['msg']}.",
+            f"set a valid value in the YAML file, {env} or {flag}.",
+            setting=loc,
+            value=e.get("input"),
+        )
     model = JobConfig.model_fields.get(section)
     valid = ""
     if model is not None and len(e["loc"]) > 1 and isinstance(model.annotation, type):
         valid = f" Valid fields of {section}: {', '.join(model.annotation.model_fields)}."
     elif len(e["loc"]) == 1:
         valid = f" Valid sections: {_sections()}."
-    return BadInput(f"unknown setting {loc} = {e.get('input')!r}.{valid}", "remove it or correct the spelling.",
-                    setting=loc, value=e.get("input"))
+    return BadInput(
+        f"unknown setting {loc} = {e.get('input')!r}.{valid}",
+        "remove it or correct the spelling.",
+        setting=loc,
+        value=e.get("input"),
+    )
 
 
 def _invalid(err: ValidationError) -> BadInput:
@@ -192,8 +220,9 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     class _Resolved(JobConfig):
         # A per-call subclass binds the YAML file without mutating JobConfig (pydantic-settings#259).
         # cli_shortcuts: the snake_case spelling of every kebab-case flag (--help lists both).
-        model_config = SettingsConfigDict(yaml_file=config_path, cli_prog_name="ddp-job train",
-                                          cli_shortcuts=_flag_spellings())
+        model_config = SettingsConfigDict(
+            yaml_file=config_path, cli_prog_name="ddp-job train", cli_shortcuts=_flag_spellings()
+        )
 
         @classmethod
         def settings_customise_sources(
@@ -211,8 +240,10 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     except ValidationError as e:
         raise _invalid(e) from None
     except SettingsError as e:
-        raise BadInput(f"bad command line or JOB_* variable: {e}.",
-                       "correct or remove it; `ddp-job train --help` lists every setting.") from None
+        raise BadInput(
+            f"bad command line or JOB_* variable: {e}.",
+            "correct or remove it; `ddp-job train --help` lists every setting.",
+        ) from None
     # Return the plain JobConfig type so pickling/equality never depend on the per-call subclass.
     return JobConfig.model_construct(**{name: getattr(resolved, name) for name in JobConfig.model_fields})
 

@@ -50,7 +50,8 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
             raise BadInput(
                 f"train.global_batch_size={gbs} is not divisible by world_size={world_size}.",
                 f"choose a global batch that is a multiple of {world_size}, or set train.micro_batch_size.",
-                setting="train.global_batch_size", value=gbs,
+                setting="train.global_batch_size",
+                value=gbs,
             )
         micro = gbs // world_size
     if gbs % (micro * world_size):
@@ -58,7 +59,8 @@ def make_plan(cfg: JobConfig, world_size: int) -> Plan:
             f"train.global_batch_size={gbs} must equal train.micro_batch_size x grad_accum_steps x world_size, "
             f"but {gbs} is not a multiple of micro_batch_size x world_size = {micro} x {world_size} = {micro * world_size}.",
             f"use a global batch that is a multiple of {micro * world_size}, or change train.micro_batch_size.",
-            setting="train.global_batch_size", value=gbs,
+            setting="train.global_batch_size",
+            value=gbs,
         )
     return Plan(
         world_size=world_size,

@@ -14,27 +14,17 @@ accumulation steps, scaled LR) live in ``job.config.plan``.
 
 from __future__ import annotations
 
-import argparse
-import os
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
-    CliApp,
-    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    SettingsError,
     YamlConfigSettingsSource,
 )
 
-from pydantic_settings.sources.utils import parse_env_vars
-
-from job.errors import BadInput
 from job.launchers.stop import SIGNAL_NAMES, STOP_SIGNALS
 
 _SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -176,15 +166,19 @@ class SchedConfig(BaseModel):
     """onecycle: final LR = initial LR / final_div_factor."""
 
     @model_validator(mode="after")
-    def _schedule_consistent(self) -> "SchedConfig":
+    def _schedule_consistent(self) -> SchedConfig:
         if self.name == "onecycle" and self.warmup_steps:
-            raise ValueError(f"sched.warmup_steps={self.warmup_steps} with sched.name='onecycle': one-cycle has its own "
-                             "warmup. Fix: set sched.warmup_steps 0 and use sched.pct_start")
+            raise ValueError(
+                f"sched.warmup_steps={self.warmup_steps} with sched.name='onecycle': one-cycle has its own "
+                "warmup. Fix: set sched.warmup_steps 0 and use sched.pct_start"
+            )
         if self.name == "multistep":
             m = self.milestones
             if not m or list(m) != sorted(set(m)) or m[0] <= self.warmup_steps:
-                raise ValueError(f"sched.milestones={list(m)} must be strictly increasing optimizer steps after "
-                                 f"sched.warmup_steps={self.warmup_steps}. Fix: e.g. --sched.milestones '[30,60]'")
+                raise ValueError(
+                    f"sched.milestones={list(m)} must be strictly increasing optimizer steps after "
+                    f"sched.warmup_steps={self.warmup_steps}. Fix: e.g. --sched.milestones '[30,60]'"
+                )
         return self
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from job.config import JobConfig
-from job.launchers.env import DistEnv
 from job.errors import BadInput
+from job.launchers.env import DistEnv
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
@@ -43,18 +43,25 @@ def versions() -> dict[str, str]:
     import torch
     import torchvision
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
-           "cuda_runtime": str(torch.version.cuda), "nccl": "n/a", "cudnn": "n/a", "cuda_driver": "n/a"}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda_runtime": str(torch.version.cuda),
+        "nccl": "n/a",
+        "cudnn": "n/a",
+        "cuda_driver": "n/a",
+    }
     if torch.cuda.is_available():
         try:
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001 - a build without NCCL
+        except Exception:
             pass
         out["cudnn"] = str(torch.backends.cudnn.version())
         try:
             v = torch._C._cuda_getDriverVersion()  # the CUDA version the driver supports, e.g. 12040
             out["cuda_driver"] = f"{v // 1000}.{v % 1000 // 10}"
-        except Exception:  # noqa: BLE001 - private API; absent is only a missing detail
+        except Exception:
             pass
     return out
 
@@ -65,11 +72,19 @@ def check_cuda_driver(v: dict[str, str]) -> Check:
         return Check("versions.cuda", PASS, f"CUDA runtime {runtime}, driver {driver} (no GPU in use)")
     rt, dr = (tuple(int(x) for x in s.split(".")[:2]) for s in (runtime, driver))
     if dr[0] < rt[0]:
-        return Check("versions.cuda", FAIL, f"torch's CUDA runtime {runtime} needs a newer driver than the installed one (supports CUDA {driver})",
-                     f"install a driver for CUDA {rt[0]}.x, or a torch build for CUDA {dr[0]}.x")
+        return Check(
+            "versions.cuda",
+            FAIL,
+            f"torch's CUDA runtime {runtime} needs a newer driver than the installed one (supports CUDA {driver})",
+            f"install a driver for CUDA {rt[0]}.x, or a torch build for CUDA {dr[0]}.x",
+        )
     if dr < rt:
-        return Check("versions.cuda", WARN, f"CUDA runtime {runtime} on a driver for CUDA {driver} (minor-version compatibility only)",
-                     "upgrade the driver if kernels fail to load (PTX JIT needs a matching driver)")
+        return Check(
+            "versions.cuda",
+            WARN,
+            f"CUDA runtime {runtime} on a driver for CUDA {driver} (minor-version compatibility only)",
+            "upgrade the driver if kernels fail to load (PTX JIT needs a matching driver)",
+        )
     return Check("versions.cuda", PASS, f"CUDA runtime {runtime}, driver supports {driver}")
 
 
@@ -77,17 +92,33 @@ def check_gpus(env: DistEnv, backend: str, cuda_count: int) -> Check:
     n = env.local_world_size
     if cuda_count == 0:
         if backend == "nccl":
-            return Check("topology.gpus", FAIL, "dist.backend=nccl but no CUDA device is visible",
-                         "check CUDA_VISIBLE_DEVICES / the container's GPU runtime, or use --dist.backend gloo")
-        return Check("topology.gpus", WARN, f"no CUDA device visible: {n} process(es) on this node train on CPU (gloo)",
-                     "expected GPUs? check CUDA_VISIBLE_DEVICES, the device plugin / --gres, the container's GPU runtime")
+            return Check(
+                "topology.gpus",
+                FAIL,
+                "dist.backend=nccl but no CUDA device is visible",
+                "check CUDA_VISIBLE_DEVICES / the container's GPU runtime, or use --dist.backend gloo",
+            )
+        return Check(
+            "topology.gpus",
+            WARN,
+            f"no CUDA device visible: {n} process(es) on this node train on CPU (gloo)",
+            "expected GPUs? check CUDA_VISIBLE_DEVICES, the device plugin / --gres, the container's GPU runtime",
+        )
     if cuda_count == 1 or cuda_count == n:
         return Check("topology.gpus", PASS, f"{cuda_count} visible GPU(s) for LOCAL_WORLD_SIZE={n}")
     if cuda_count > n:
-        return Check("topology.gpus", WARN, f"{cuda_count} GPUs visible but only LOCAL_WORLD_SIZE={n} processes: {cuda_count - n} idle",
-                     f"start {cuda_count} processes per node (--nproc-per-node {cuda_count})")
-    return Check("topology.gpus", FAIL, f"LOCAL_WORLD_SIZE={n} processes but only {cuda_count} GPUs visible",
-                 f"start at most {cuda_count} processes per node (--nproc-per-node {cuda_count})")
+        return Check(
+            "topology.gpus",
+            WARN,
+            f"{cuda_count} GPUs visible but only LOCAL_WORLD_SIZE={n} processes: {cuda_count - n} idle",
+            f"start {cuda_count} processes per node (--nproc-per-node {cuda_count})",
+        )
+    return Check(
+        "topology.gpus",
+        FAIL,
+        f"LOCAL_WORLD_SIZE={n} processes but only {cuda_count} GPUs visible",
+        f"start at most {cuda_count} processes per node (--nproc-per-node {cuda_count})",
+    )
 
 
 def check_flight_recorder(backend: str, environ: dict[str, str]) -> Check:
@@ -95,8 +126,12 @@ def check_flight_recorder(backend: str, environ: dict[str, str]) -> Check:
         return Check("observe.flight_recorder", PASS, f"backend {backend}: NCCL flight recorder not applicable")
     size = environ.get("TORCH_FR_BUFFER_SIZE") or environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "0"
     if size == "0":
-        return Check("observe.flight_recorder", WARN, "NCCL flight recorder off: a hang leaves no record of the last collectives",
-                     "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=<run_dir>/nccl_trace/rank_ (docs/doctor.md)")
+        return Check(
+            "observe.flight_recorder",
+            WARN,
+            "NCCL flight recorder off: a hang leaves no record of the last collectives",
+            "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=<run_dir>/nccl_trace/rank_ (docs/doctor.md)",
+        )
     return Check("observe.flight_recorder", PASS, f"NCCL flight recorder on (buffer {size} entries)")
 
 
@@ -127,8 +162,12 @@ def check_rendezvous(env: DistEnv, timeout_s: float, hosts_store: bool) -> Check
     deadline = time.monotonic() + timeout_s
     infos, err, tries = _retry(lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), deadline)
     if err is not None:
-        return Check("rendezvous", FAIL, f"{where}: name does not resolve ({err}) after {tries} tries in {timeout_s:g} s",
-                     "set MASTER_ADDR to rank 0's resolvable host name or IP (Kubernetes: the master pod's service must exist)")
+        return Check(
+            "rendezvous",
+            FAIL,
+            f"{where}: name does not resolve ({err}) after {tries} tries in {timeout_s:g} s",
+            "set MASTER_ADDR to rank 0's resolvable host name or IP (Kubernetes: the master pod's service must exist)",
+        )
     addrs = sorted({i[4][0] for i in infos})
     if hosts_store:
         family, addr = infos[0][0], infos[0][4][0]
@@ -137,17 +176,30 @@ def check_rendezvous(env: DistEnv, timeout_s: float, hosts_store: bool) -> Check
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind(("", port))
         except OSError as e:
-            return Check("rendezvous", FAIL, f"{where}: rank 0 cannot open the rendezvous store on port {port} ({e.strerror})",
-                         "pick a free MASTER_PORT (another job or a stale process holds this one)")
+            return Check(
+                "rendezvous",
+                FAIL,
+                f"{where}: rank 0 cannot open the rendezvous store on port {port} ({e.strerror})",
+                "pick a free MASTER_PORT (another job or a stale process holds this one)",
+            )
         try:
             with socket.socket(family, socket.SOCK_STREAM) as s:
                 s.bind((addr, 0))
         except OSError as e:
             if e.errno != errno.EADDRNOTAVAIL:
                 raise
-            return Check("rendezvous", WARN, f"{where} resolves to {addr}, not an address of this host where rank 0 runs",
-                         "fine if MASTER_ADDR forwards to this host (a Service); otherwise run rank 0 on MASTER_ADDR's host")
-        return Check("rendezvous", PASS, f"{where} resolves to {', '.join(addrs)}; port free for rank 0's store", data={"addrs": addrs})
+            return Check(
+                "rendezvous",
+                WARN,
+                f"{where} resolves to {addr}, not an address of this host where rank 0 runs",
+                "fine if MASTER_ADDR forwards to this host (a Service); otherwise run rank 0 on MASTER_ADDR's host",
+            )
+        return Check(
+            "rendezvous",
+            PASS,
+            f"{where} resolves to {', '.join(addrs)}; port free for rank 0's store",
+            data={"addrs": addrs},
+        )
 
     def connect() -> None:
         with socket.create_connection((host, port), timeout=max(0.5, min(5.0, deadline - time.monotonic()))):
@@ -156,10 +208,18 @@ def check_rendezvous(env: DistEnv, timeout_s: float, hosts_store: bool) -> Check
     t0 = time.monotonic()
     _, err, tries = _retry(connect, deadline)
     if err is not None:
-        return Check("rendezvous", FAIL, f"{where} ({', '.join(addrs)}): nothing accepts connections ({err}) after {tries} tries in {timeout_s:g} s",
-                     "start rank 0 / the rendezvous host first, check MASTER_PORT and firewalls, or raise doctor.rendezvous_timeout_s")
-    return Check("rendezvous", PASS, f"{where} resolves to {', '.join(addrs)}; port reachable in {time.monotonic() - t0:.2f} s ({tries} tries)",
-                 data={"addrs": addrs, "tries": tries})
+        return Check(
+            "rendezvous",
+            FAIL,
+            f"{where} ({', '.join(addrs)}): nothing accepts connections ({err}) after {tries} tries in {timeout_s:g} s",
+            "start rank 0 / the rendezvous host first, check MASTER_PORT and firewalls, or raise doctor.rendezvous_timeout_s",
+        )
+    return Check(
+        "rendezvous",
+        PASS,
+        f"{where} resolves to {', '.join(addrs)}; port reachable in {time.monotonic() - t0:.2f} s ({tries} tries)",
+        data={"addrs": addrs, "tries": tries},
+    )
 
 
 def shm_need_bytes(cfg: JobConfig, micro_batch_size: int, local_world_size: int) -> int:
@@ -175,15 +235,22 @@ def check_shm(need: int, path: str = "/dev/shm") -> Check:
     try:
         st = os.statvfs(path)
     except OSError as e:
-        return Check("shm", FAIL if need else WARN, f"{path}: {e.strerror}", "mount a tmpfs at /dev/shm or set data.num_workers 0")
+        return Check(
+            "shm",
+            FAIL if need else WARN,
+            f"{path}: {e.strerror}",
+            "mount a tmpfs at /dev/shm or set data.num_workers 0",
+        )
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     data = {"size_bytes": size, "free_bytes": free, "need_bytes": need}
     mb = 2**20
     if need == 0:
         return Check("shm", PASS, f"{path}: {free / mb:.0f} MiB free; no DataLoader workers use it", data=data)
     text = f"{path}: {free / mb:.1f} MiB free of {size / mb:.1f} MiB; DataLoader workers need about {need / mb:.1f} MiB"
-    fix = (f"give the container more shared memory (docker/podman --shm-size={max(1, 2 * need // mb)}m, Kubernetes emptyDir "
-           "medium: Memory on /dev/shm) or lower data.num_workers / data.prefetch_factor")
+    fix = (
+        f"give the container more shared memory (docker/podman --shm-size={max(1, 2 * need // mb)}m, Kubernetes emptyDir "
+        "medium: Memory on /dev/shm) or lower data.num_workers / data.prefetch_factor"
+    )
     if free < need:
         return Check("shm", FAIL, text, fix, data)
     if free < 2 * need:
@@ -210,7 +277,9 @@ def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) 
     """Writable (by writing, not os.access: root passes os.access on read-only mounts) and big enough for
     keep_last checkpoints plus the one being written."""
     existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), Path("/"))
-    fix_dir = "set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory on a shared file system"
+    fix_dir = (
+        "set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory on a shared file system"
+    )
     try:
         if create:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -220,13 +289,19 @@ def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) 
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        return [Check("storage.writable", FAIL, f"run directory {run_dir}: cannot write in {existing} ({e.strerror})", fix_dir)]
+        return [
+            Check(
+                "storage.writable", FAIL, f"run directory {run_dir}: cannot write in {existing} ({e.strerror})", fix_dir
+            )
+        ]
     checks = [Check("storage.writable", PASS, f"run directory {run_dir} writable (probe in {existing})")]
     free = shutil.disk_usage(existing).free
     need = ckpt_bytes * (keep_last + 1)
     mb = 2**20
-    text = (f"{free / mb:.0f} MiB free at {existing}; checkpoints need about {need / mb:.0f} MiB "
-            f"({ckpt_bytes / mb:.1f} MiB x (ckpt.keep_last={keep_last} + 1 being written))")
+    text = (
+        f"{free / mb:.0f} MiB free at {existing}; checkpoints need about {need / mb:.0f} MiB "
+        f"({ckpt_bytes / mb:.1f} MiB x (ckpt.keep_last={keep_last} + 1 being written))"
+    )
     data = {"free_bytes": free, "need_bytes": need, "checkpoint_bytes": ckpt_bytes}
     fix = "free space, point run.output_dir elsewhere, or lower ckpt.keep_last"
     status = FAIL if free < need else (WARN if free < 2 * need else PASS)
@@ -249,6 +324,12 @@ def check_data(cfg: JobConfig) -> Check:
         with open(path, "rb") as f:
             f.read(64)
     except OSError as e:
-        return Check("storage.data", FAIL, f"{path}: not readable ({e.strerror})", "check the data mount and its permissions")
-    return Check("storage.data", PASS, f"data.path={cfg.data.path}: {len(layout.classes)} classes = data.num_classes, "
-                 f"{len(layout.train)} train / {len(layout.val)} val files, first file readable")
+        return Check(
+            "storage.data", FAIL, f"{path}: not readable ({e.strerror})", "check the data mount and its permissions"
+        )
+    return Check(
+        "storage.data",
+        PASS,
+        f"data.path={cfg.data.path}: {len(layout.classes)} classes = data.num_classes, "
+        f"{len(layout.train)} train / {len(layout.val)} val files, first file readable",
+    )

@@ -33,15 +33,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from job.parallel import distributed
-from job.doctor import checks as dc
 from job.config import JobConfig, config_to_dict, flatten, load_config
-from job.doctor.checks import FAIL, ORDER, PASS, WARN, Check
-from job.launchers.env import DistEnv, detect_env
-from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, DoctorFailed
 from job.config.plan import make_plan
-
-
+from job.doctor import checks as dc
+from job.doctor.checks import FAIL, ORDER, PASS, WARN, Check
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, DoctorFailed
+from job.launchers.env import DistEnv, detect_env
+from job.parallel import distributed
 
 
 def config_hash(flat: Mapping[str, Any]) -> str:
@@ -53,14 +51,24 @@ def topology_check(env: DistEnv) -> Check:
     SLURM_TASKS_PER_NODE against the totals); every other launcher starts the same number on each node."""
     product = env.num_nodes * env.local_world_size
     if env.launcher != "slurm" and product != env.world_size:
-        return Check("topology.launcher", FAIL, f"launcher={env.launcher}: WORLD_SIZE={env.world_size} but {env.num_nodes} node(s) "
-                     f"x LOCAL_WORLD_SIZE={env.local_world_size} = {product}",
-                     "make WORLD_SIZE = number of nodes (GROUP_WORLD_SIZE / --nnodes) x processes per node (LOCAL_WORLD_SIZE / --nproc-per-node)")
-    return Check("topology.launcher", PASS, f"launcher={env.launcher}: world size {env.world_size} = "
-                 f"{env.num_nodes} node(s) x {env.local_world_size} process(es) per node")
+        return Check(
+            "topology.launcher",
+            FAIL,
+            f"launcher={env.launcher}: WORLD_SIZE={env.world_size} but {env.num_nodes} node(s) "
+            f"x LOCAL_WORLD_SIZE={env.local_world_size} = {product}",
+            "make WORLD_SIZE = number of nodes (GROUP_WORLD_SIZE / --nnodes) x processes per node (LOCAL_WORLD_SIZE / --nproc-per-node)",
+        )
+    return Check(
+        "topology.launcher",
+        PASS,
+        f"launcher={env.launcher}: world size {env.world_size} = "
+        f"{env.num_nodes} node(s) x {env.local_world_size} process(es) per node",
+    )
 
 
-def local_checks(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]) -> tuple[list[Check], dict[str, str]]:
+def local_checks(
+    cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]
+) -> tuple[list[Check], dict[str, str]]:
     """Phase 1 minus the rendezvous: every check this rank can do alone."""
     try:
         backend = distributed.pick_backend(cfg.dist, torch.cuda.is_available())
@@ -92,8 +100,16 @@ def local_checks(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str,
 
 def _facts(cfg: JobConfig, env: DistEnv, checks: list[Check], vers: dict[str, str]) -> dict[str, Any]:
     flat = flatten(config_to_dict(cfg))
-    return {"rank": env.rank, "env": asdict(env), "host": socket.gethostname(), "pid": os.getpid(),
-            "config_hash": config_hash(flat), "config": flat, "versions": vers, "checks": [asdict(c) for c in checks]}
+    return {
+        "rank": env.rank,
+        "env": asdict(env),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "config_hash": config_hash(flat),
+        "config": flat,
+        "versions": vers,
+        "checks": [asdict(c) for c in checks],
+    }
 
 
 def consistency_checks(facts: list[dict[str, Any]], pg_world: int) -> list[Check]:
@@ -112,37 +128,72 @@ def consistency_checks(facts: list[dict[str, Any]], pg_world: int) -> list[Check
     for node, members in sorted(nodes.items()):
         declared = {m["local_world_size"] for m in members}
         if declared != {len(members)}:
-            problems.append(f"node {node}: {len(members)} processes joined but they declare LOCAL_WORLD_SIZE {sorted(declared)}")
+            problems.append(
+                f"node {node}: {len(members)} processes joined but they declare LOCAL_WORLD_SIZE {sorted(declared)}"
+            )
         if sorted(m["local_rank"] for m in members) != list(range(len(members))):
-            problems.append(f"node {node}: local ranks {sorted(m['local_rank'] for m in members)} are not 0..{len(members) - 1}")
+            problems.append(
+                f"node {node}: local ranks {sorted(m['local_rank'] for m in members)} are not 0..{len(members) - 1}"
+            )
     if {e["num_nodes"] for e in envs} != {len(nodes)}:
         problems.append(f"{len(nodes)} node(s) joined but ranks declare {sorted({e['num_nodes'] for e in envs})} nodes")
     if problems:
-        out.append(Check("topology.layout", FAIL, "; ".join(problems), "launch the same number of processes per node that "
-                         "the launcher's variables declare (nnodes x nproc-per-node = WORLD_SIZE)"))
+        out.append(
+            Check(
+                "topology.layout",
+                FAIL,
+                "; ".join(problems),
+                "launch the same number of processes per node that "
+                "the launcher's variables declare (nnodes x nproc-per-node = WORLD_SIZE)",
+            )
+        )
     else:
         hosts = sorted({f["host"] for f in facts})
-        out.append(Check("topology.layout", PASS, f"{pg_world} ranks unique, {len(nodes)} node(s) x "
-                         f"{envs[0]['local_world_size']} as declared, hosts: {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}"))
+        out.append(
+            Check(
+                "topology.layout",
+                PASS,
+                f"{pg_world} ranks unique, {len(nodes)} node(s) x "
+                f"{envs[0]['local_world_size']} as declared, hosts: {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}",
+            )
+        )
     hashes = [f["config_hash"] for f in facts]
     if len(set(hashes)) > 1:
         odd = next(f for f in facts if f["config_hash"] != hashes[0])
         base = facts[0]["config"]
-        diff = [f"{k}: rank 0 {base.get(k)!r} vs rank {odd['rank']} {odd['config'].get(k)!r}"
-                for k in sorted(set(base) | set(odd["config"])) if base.get(k) != odd["config"].get(k)]
+        diff = [
+            f"{k}: rank 0 {base.get(k)!r} vs rank {odd['rank']} {odd['config'].get(k)!r}"
+            for k in sorted(set(base) | set(odd["config"]))
+            if base.get(k) != odd["config"].get(k)
+        ]
         bad = [f["rank"] for f in facts if f["config_hash"] != hashes[0]]
-        out.append(Check("config.same", FAIL, f"ranks {bad} resolved a different config than rank 0: {'; '.join(diff[:5])}",
-                         "give every rank the same --config, overrides and JOB_* variables"))
+        out.append(
+            Check(
+                "config.same",
+                FAIL,
+                f"ranks {bad} resolved a different config than rank 0: {'; '.join(diff[:5])}",
+                "give every rank the same --config, overrides and JOB_* variables",
+            )
+        )
     else:
         out.append(Check("config.same", PASS, f"config hash {hashes[0]} on all {len(facts)} ranks"))
     vers = [f["versions"] for f in facts]
     differ = {k: sorted({v[k] for v in vers}) for k in vers[0] if len({v[k] for v in vers}) > 1}
     hard = {k: v for k, v in differ.items() if k not in ("cuda_driver", "cudnn")}
     v0 = vers[0]
-    summary = f"python {v0['python']}, torch {v0['torch']}, CUDA {v0['cuda_runtime']}, NCCL {v0['nccl']}, cuDNN {v0['cudnn']}"
+    summary = (
+        f"python {v0['python']}, torch {v0['torch']}, CUDA {v0['cuda_runtime']}, NCCL {v0['nccl']}, cuDNN {v0['cudnn']}"
+    )
     if differ:
         status = FAIL if hard else WARN
-        out.append(Check("versions.same", status, f"versions differ across ranks: {differ}", "use one image / environment on every node"))
+        out.append(
+            Check(
+                "versions.same",
+                status,
+                f"versions differ across ranks: {differ}",
+                "use one image / environment on every node",
+            )
+        )
     else:
         out.append(Check("versions.same", PASS, f"{summary} on all ranks"))
     return out
@@ -153,7 +204,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def comm_checks(rt: distributed.Runtime, world: int, rank: int, full: bool, sizes_kb: Sequence[int], iters: int) -> list[Check]:
+def comm_checks(
+    rt: distributed.Runtime, world: int, rank: int, full: bool, sizes_kb: Sequence[int], iters: int
+) -> list[Check]:
     """Phase 3 on the training backend and device: correctness, then timed sizes (nccl-tests definitions)."""
     device = rt.device
     x = torch.arange(1024, dtype=torch.float32, device=device) * (rank + 1)
@@ -163,8 +216,14 @@ def comm_checks(rt: distributed.Runtime, world: int, rank: int, full: bool, size
     flags = torch.tensor([bad], dtype=torch.int64)
     dist.all_reduce(flags, group=rt.control_group)
     if int(flags) or bad:
-        return [Check("communication.allreduce", FAIL, f"all-reduce ({rt.backend}) returned {int(flags)} wrong values (first: {x[:3].tolist()})",
-                      "check the interconnect (NCCL_DEBUG=INFO, NCCL_IB_DISABLE / NCCL_SOCKET_IFNAME)")]
+        return [
+            Check(
+                "communication.allreduce",
+                FAIL,
+                f"all-reduce ({rt.backend}) returned {int(flags)} wrong values (first: {x[:3].tolist()})",
+                "check the interconnect (NCCL_DEBUG=INFO, NCCL_IB_DISABLE / NCCL_SOCKET_IFNAME)",
+            )
+        ]
     out = [Check("communication.allreduce", PASS, f"all-reduce on {rt.backend} across {world} rank(s) correct")]
     if not full:
         return out
@@ -191,14 +250,24 @@ def comm_checks(rt: distributed.Runtime, world: int, rank: int, full: bool, size
     total = per_rank.sum(dim=1)
     slow = int(total.argmax())
     best = max(rows, key=lambda r: r["busbw_GBps"])
-    detail = (f"peak busbw {best['busbw_GBps']:.3f} GB/s (algbw {best['algbw_GBps']:.3f}) at {best['size_bytes'] // 1024} KiB; "
-              f"slowest rank {slow} ({float(total[slow]) * 1e3:.1f} ms vs median {statistics.median(total.tolist()) * 1e3:.1f} ms)")
-    out.append(Check("communication.bandwidth", PASS, detail, data={"rows": rows, "slowest_rank": slow,
-                                                                   "per_rank_total_s": total.tolist(), "backend": rt.backend}))
+    detail = (
+        f"peak busbw {best['busbw_GBps']:.3f} GB/s (algbw {best['algbw_GBps']:.3f}) at {best['size_bytes'] // 1024} KiB; "
+        f"slowest rank {slow} ({float(total[slow]) * 1e3:.1f} ms vs median {statistics.median(total.tolist()) * 1e3:.1f} ms)"
+    )
+    out.append(
+        Check(
+            "communication.bandwidth",
+            PASS,
+            detail,
+            data={"rows": rows, "slowest_rank": slow, "per_rank_total_s": total.tolist(), "backend": rt.backend},
+        )
+    )
     return out
 
 
-def _merge(per_rank: list[list[dict[str, Any]]], world: int, shared: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+def _merge(
+    per_rank: list[list[dict[str, Any]]], world: int, shared: frozenset[str] = frozenset()
+) -> list[dict[str, Any]]:
     """One line per check name: the worst status over ranks, its distinct details and which ranks.
     ``shared`` names checks computed from all ranks' facts (no rank suffix)."""
     names: dict[str, list[tuple[int, dict[str, Any]]]] = {}
@@ -215,7 +284,15 @@ def _merge(per_rank: list[list[dict[str, Any]]], world: int, shared: frozenset[s
                 groups.setdefault(items[0][1]["detail"] if worst == 0 else c["detail"], []).append(rank)
         for detail, ranks in groups.items():
             c = next((c for r, c in items if c["detail"] == detail), items[0][1])
-            who = "" if world == 1 or name in shared else (" [all ranks]" if len(ranks) == world else f" [rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}]")
+            who = (
+                ""
+                if world == 1 or name in shared
+                else (
+                    " [all ranks]"
+                    if len(ranks) == world
+                    else f" [rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}]"
+                )
+            )
             merged.append({**c, "ranks": ranks, "line": f"{c['status']} {name:<24} {detail}{who}"})
     return merged
 
@@ -233,7 +310,10 @@ def _print(merged: list[dict[str, Any]], only_problems: bool) -> None:
             continue
         print(m["line"], flush=True)
         for row in m["data"].get("rows", []) if not only_problems else []:  # nccl-tests style table
-            print(f"     {row['size_bytes']:>10} B {row['time_us']:>10.0f} us  algbw {row['algbw_GBps']:7.3f} GB/s  busbw {row['busbw_GBps']:7.3f} GB/s", flush=True)
+            print(
+                f"     {row['size_bytes']:>10} B {row['time_us']:>10.0f} us  algbw {row['algbw_GBps']:7.3f} GB/s  busbw {row['busbw_GBps']:7.3f} GB/s",
+                flush=True,
+            )
         if m["status"] != PASS and m["fix"]:
             print(f"     fix: {m['fix']}", flush=True)
 
@@ -275,7 +355,9 @@ def local_phase(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, 
     checks, vers = local_checks(cfg, env, full, environ)
     # Rank 0 opens the store itself unless torchrun's agent already serves it (TORCHELASTIC_USE_AGENT_STORE=True;
     # ddp-job launch turns that off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so elastic restarts work).
-    hosts_store = env.rank == 0 and not (env.launcher == "torchrun" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    hosts_store = env.rank == 0 and not (
+        env.launcher == "torchrun" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    )
     checks.append(dc.check_rendezvous(env, cfg.doctor.rendezvous_timeout_s, hosts_store))
     return LocalPhase(checks, vers, t0)
 
@@ -286,8 +368,9 @@ def alone(env: DistEnv, local: LocalPhase) -> tuple[list[dict[str, Any]], dict[s
     return merged, {"rank": env.rank, "env": asdict(env), "checks": merged, "wall_s": time.perf_counter() - local.t0}
 
 
-def group_phase(cfg: JobConfig, env: DistEnv, rt: distributed.Runtime, local: LocalPhase,
-                full: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def group_phase(
+    cfg: JobConfig, env: DistEnv, rt: distributed.Runtime, local: LocalPhase, full: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Phase 2, on the process group the caller created: every rank's facts gathered, consistency and
     communication checks; returns the merged checks and the report."""
     world = dist.get_world_size()
@@ -296,14 +379,23 @@ def group_phase(cfg: JobConfig, env: DistEnv, rt: distributed.Runtime, local: Lo
     shared = consistency_checks(facts, world)
     shared += comm_checks(rt, world, dist.get_rank(), full, cfg.doctor.comm_sizes_kb, cfg.doctor.comm_iters)
     per_rank = [f["checks"] for f in facts]
-    merged = _merge([per_rank[0] + [asdict(c) for c in shared], *per_rank[1:]], world, frozenset(c.name for c in shared))
-    report = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": time.perf_counter() - local.t0,
-              "world_size": world, "launcher": env.launcher, "backend": rt.backend, "checks": merged,
-              "ranks": [{k: f[k] for k in ("rank", "env", "host", "pid", "config_hash", "versions")} for f in facts]}
+    merged = _merge(
+        [per_rank[0] + [asdict(c) for c in shared], *per_rank[1:]], world, frozenset(c.name for c in shared)
+    )
+    report = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s": time.perf_counter() - local.t0,
+        "world_size": world,
+        "launcher": env.launcher,
+        "backend": rt.backend,
+        "checks": merged,
+        "ranks": [{k: f[k] for k in ("rank", "env", "host", "pid", "config_hash", "versions")} for f in facts],
+    }
     return merged, report
 
 
 # --- train's quick phase: two halves around the process group that train itself creates ---------------
+
 
 def quick_local(cfg: JobConfig, env: DistEnv, environ: Mapping[str, str]) -> LocalPhase:
     """Before train creates its process group. Raises when the rendezvous cannot work (nothing to join)."""
@@ -337,11 +429,16 @@ def _raise_failed(merged: list[dict[str, Any]]) -> NoReturn:
     error = DoctorFailed
     if exit_code(merged) != EXIT_FAILURE:
         error = BadInput
-    raise error(f"preflight checks failed (run `ddp-job doctor` for the full report):\n  {fails}",
-                setting="doctor.enabled", value=True)
+    raise error(
+        f"preflight checks failed (run `ddp-job doctor` for the full report):\n  {fails}",
+        setting="doctor.enabled",
+        value=True,
+    )
 
 
-def _run(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]) -> tuple[list[dict[str, Any]], distributed.Runtime | None, dict[str, Any]]:
+def _run(
+    cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str]
+) -> tuple[list[dict[str, Any]], distributed.Runtime | None, dict[str, Any]]:
     """``ddp-job doctor``: all phases on a process group of its own; returns the merged checks, the live
     runtime (None if the rendezvous failed) and the report."""
     local = local_phase(cfg, env, full, environ)
@@ -369,8 +466,11 @@ def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
         env = detect_env(environ)
     except BadInput as e:
         print(f"FAIL topology.launcher         {e.what}\n     fix: {e.fix}", flush=True)
-        _write_report(cfg.run_dir, {"checks": [{"name": "topology.launcher", "status": FAIL, "detail": e.what, "fix": e.fix}]},
-                      "doctor.json")
+        _write_report(
+            cfg.run_dir,
+            {"checks": [{"name": "topology.launcher", "status": FAIL, "detail": e.what, "fix": e.fix}]},
+            "doctor.json",
+        )
         return EXIT_BAD_INPUT
     merged, rt, report = _run(cfg, env, True, environ)
     try:
@@ -381,8 +481,11 @@ def main(argv: list[str], environ: Mapping[str, str] | None = None) -> int:
             wall = time.perf_counter() - t0
             report["wall_s_total"] = wall
             name = "doctor.json" if rt is not None else f"doctor-rank{env.rank}.json"
-            path = _write_report(cfg.run_dir, report, name) if not any(
-                m["name"] == "storage.writable" and m["status"] == FAIL for m in merged) else None
+            path = (
+                _write_report(cfg.run_dir, report, name)
+                if not any(m["name"] == "storage.writable" and m["status"] == FAIL for m in merged)
+                else None
+            )
             print(_summary(merged, wall) + (f"; report: {path}" if path else ""), flush=True)
     finally:
         if rt is not None:

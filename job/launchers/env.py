@@ -94,11 +94,16 @@ def _int(environ: Mapping[str, str], name: str, *, minimum: int = 0, fix: str = 
     try:
         value = int(raw.strip())
     except ValueError:
-        raise BadInput(f"{name}={raw!r} is not an integer.", fix or f"set {name} to a whole number.",
-                       setting=name, value=raw) from None
+        raise BadInput(
+            f"{name}={raw!r} is not an integer.", fix or f"set {name} to a whole number.", setting=name, value=raw
+        ) from None
     if value < minimum:
-        raise BadInput(f"{name}={raw!r} must be >= {minimum}.", fix or f"set {name} to a number >= {minimum}.",
-                       setting=name, value=raw)
+        raise BadInput(
+            f"{name}={raw!r} must be >= {minimum}.",
+            fix or f"set {name} to a number >= {minimum}.",
+            setting=name,
+            value=raw,
+        )
     return value
 
 
@@ -110,8 +115,12 @@ def _first(environ: Mapping[str, str], *names: str) -> str | None:
 def _port(environ: Mapping[str, str], name: str) -> int:
     port = _int(environ, name, minimum=1)
     if port > 65535:
-        raise BadInput(f"{name}={environ[name]!r} is not a TCP port.", f"set {name} to a port in 1..65535.",
-                       setting=name, value=environ[name])
+        raise BadInput(
+            f"{name}={environ[name]!r} is not a TCP port.",
+            f"set {name} to a port in 1..65535.",
+            setting=name,
+            value=environ[name],
+        )
     return port
 
 
@@ -126,24 +135,29 @@ def _check_layout(env: DistEnv, names: Mapping[str, str]) -> DistEnv:
         raise bad("world_size", env.world_size, "must be >= 1", "start at least one process.")
     if not 0 <= env.rank < env.world_size:
         raise bad(
-            "rank", env.rank, f"is outside 0..{env.world_size - 1} ({names.get('world_size')}={env.world_size})",
+            "rank",
+            env.rank,
+            f"is outside 0..{env.world_size - 1} ({names.get('world_size')}={env.world_size})",
             "the launcher's rank and world size disagree; check the launch command.",
         )
     if env.num_nodes < 1 or not 0 <= env.node_rank < env.num_nodes:
         raise bad(
-            "node_rank", env.node_rank,
+            "node_rank",
+            env.node_rank,
             f"is outside 0..{env.num_nodes - 1} ({names.get('num_nodes')}={env.num_nodes})",
             "the node index must be below the node count.",
         )
     if env.local_world_size < 1 or env.local_world_size > env.world_size:
         raise bad(
-            "local_world_size", env.local_world_size,
+            "local_world_size",
+            env.local_world_size,
             f"must be between 1 and {names.get('world_size')}={env.world_size}",
             "set it to the number of processes on this node.",
         )
     if not 0 <= env.local_rank < env.local_world_size:
         raise bad(
-            "local_rank", env.local_rank,
+            "local_rank",
+            env.local_rank,
             f"is outside 0..{env.local_world_size - 1} ({names.get('local_world_size')}={env.local_world_size})",
             "set it to this process' index among the processes on its node.",
         )
@@ -171,7 +185,8 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
         raise BadInput(
             f"WORLD_SIZE={world} is not GROUP_WORLD_SIZE={nodes} x LOCAL_WORLD_SIZE={local_world} under torchrun.",
             "do not set WORLD_SIZE/LOCAL_WORLD_SIZE/GROUP_WORLD_SIZE yourself; torchrun sets them.",
-            setting="WORLD_SIZE", value=world,
+            setting="WORLD_SIZE",
+            value=world,
         )
     env = DistEnv(
         rank=_int(environ, "RANK", fix=fix),
@@ -190,8 +205,12 @@ def _from_torchrun(environ: Mapping[str, str]) -> DistEnv:
 
 
 _TORCH_NAMES = {
-    "rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE",
-    "local_world_size": "LOCAL_WORLD_SIZE", "node_rank": "GROUP_RANK", "num_nodes": "GROUP_WORLD_SIZE",
+    "rank": "RANK",
+    "local_rank": "LOCAL_RANK",
+    "world_size": "WORLD_SIZE",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+    "node_rank": "GROUP_RANK",
+    "num_nodes": "GROUP_WORLD_SIZE",
 }
 
 
@@ -239,11 +258,16 @@ def _from_env_contract(environ: Mapping[str, str]) -> DistEnv:
         missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in environ]
         raise BadInput(
             f"RANK/WORLD_SIZE={world}/LOCAL_RANK are set but {' and '.join(missing)} not.",
-            "export MASTER_ADDR (host of rank 0) and MASTER_PORT (a free port on it).", setting=missing[0],
+            "export MASTER_ADDR (host of rank 0) and MASTER_PORT (a free port on it).",
+            setting=missing[0],
         )
     env = DistEnv(
-        rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
-        node_rank=node_rank, num_nodes=nodes,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=nodes,
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_port(environ, "MASTER_PORT") if "MASTER_PORT" in environ else SINGLE_PORT,
         launcher="env",
@@ -271,43 +295,59 @@ def _from_kubeflow(environ: Mapping[str, str]) -> DistEnv:
     if nproc > 1:
         raise BadInput(
             f"PET_NPROC_PER_NODE={nproc_raw!r}: this pod should run {nproc} processes but was started as one "
-            "(RANK counts pods, WORLD_SIZE counts processes).", _LAUNCH_FIX, setting="PET_NPROC_PER_NODE", value=nproc_raw,
+            "(RANK counts pods, WORLD_SIZE counts processes).",
+            _LAUNCH_FIX,
+            setting="PET_NPROC_PER_NODE",
+            value=nproc_raw,
         )
     nnodes_raw = environ.get("PET_NNODES", "1").strip()
     if ":" in nnodes_raw:
         raise BadInput(
             f"PET_NNODES={nnodes_raw!r} is an elastic range (elasticPolicy): only torchrun's c10d rendezvous "
-            "assigns ranks then.", _LAUNCH_FIX, setting="PET_NNODES", value=nnodes_raw,
+            "assigns ranks then.",
+            _LAUNCH_FIX,
+            setting="PET_NNODES",
+            value=nnodes_raw,
         )
     nnodes = _int(environ, "PET_NNODES", minimum=1) if "PET_NNODES" in environ else 1
     if "RANK" not in environ:
         if nnodes == 1:
             return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", SINGLE_PORT, "kubeflow")
         raise BadInput(
-            f"PET_NNODES={nnodes_raw} pods but RANK/WORLD_SIZE are not set (a PyTorchJob without a Master "
-            "replica).", _LAUNCH_FIX, setting="RANK",
+            f"PET_NNODES={nnodes_raw} pods but RANK/WORLD_SIZE are not set (a PyTorchJob without a Master replica).",
+            _LAUNCH_FIX,
+            setting="RANK",
         )
     world = _int(environ, "WORLD_SIZE", minimum=1)
     if "PET_NNODES" in environ and world != nnodes * nproc:
         raise BadInput(
             f"WORLD_SIZE={world} but PET_NNODES={nnodes} pods x 1 process: the pod's env was edited.",
             "do not set WORLD_SIZE, RANK, MASTER_* or PET_* in the manifest; the operator sets them.",
-            setting="WORLD_SIZE", value=world,
+            setting="WORLD_SIZE",
+            value=world,
         )
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in environ and world > 1:
-            raise BadInput(f"{name} is not set in a PyTorchJob pod with WORLD_SIZE={world}.", "give the job a Master replica.",
-                           setting=name)
+            raise BadInput(
+                f"{name} is not set in a PyTorchJob pod with WORLD_SIZE={world}.",
+                "give the job a Master replica.",
+                setting=name,
+            )
     rank = _int(environ, "RANK")
     env = DistEnv(
-        rank=rank, local_rank=0, world_size=world, local_world_size=1,
+        rank=rank,
+        local_rank=0,
+        world_size=world,
+        local_world_size=1,
         node_rank=_int(environ, "PET_NODE_RANK") if "PET_NODE_RANK" in environ else rank,
         num_nodes=world,
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_port(environ, "MASTER_PORT") if "MASTER_PORT" in environ else SINGLE_PORT,
         launcher="kubeflow",
     )
-    return _check_layout(env, {"rank": "RANK", "world_size": "WORLD_SIZE", "node_rank": "PET_NODE_RANK", "num_nodes": "WORLD_SIZE"})
+    return _check_layout(
+        env, {"rank": "RANK", "world_size": "WORLD_SIZE", "node_rank": "PET_NODE_RANK", "num_nodes": "WORLD_SIZE"}
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -333,17 +373,26 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
         try:
             per_node = parse_slurm_tasks_per_node(environ[tpn_var])
         except ValueError as e:
-            raise BadInput(f"{tpn_var}={environ[tpn_var]!r}: {e}.", fix, setting=tpn_var, value=environ[tpn_var]) from None
+            raise BadInput(
+                f"{tpn_var}={environ[tpn_var]!r}: {e}.", fix, setting=tpn_var, value=environ[tpn_var]
+            ) from None
     nodes = _int(environ, nodes_var, minimum=1, fix=fix) if nodes_var else len(per_node or [1])
     if per_node is None:
         if world % nodes:
-            raise BadInput(f"SLURM_TASKS_PER_NODE is not set and {world_var}={world} is not a multiple of {nodes_var}={nodes}.",
-                           fix, setting=world_var, value=world)
+            raise BadInput(
+                f"SLURM_TASKS_PER_NODE is not set and {world_var}={world} is not a multiple of {nodes_var}={nodes}.",
+                fix,
+                setting=world_var,
+                value=world,
+            )
         per_node = [world // nodes] * nodes
     if len(per_node) != nodes or sum(per_node) != world:
         raise BadInput(
             f"{tpn_var}={environ.get(tpn_var)!r} describes {len(per_node)} nodes / {sum(per_node)} tasks but "
-            f"{nodes_var}={nodes} and {world_var}={world}.", fix, setting=tpn_var, value=environ.get(tpn_var),
+            f"{nodes_var}={nodes} and {world_var}={world}.",
+            fix,
+            setting=tpn_var,
+            value=environ.get(tpn_var),
         )
     local_world = per_node[node_rank] if node_rank < nodes else 0
     if "MASTER_ADDR" in environ:
@@ -351,31 +400,53 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
     else:
         list_var = _first(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
         if list_var is None:
-            raise BadInput("neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is set in an srun step.",
-                           "export MASTER_ADDR.", setting="MASTER_ADDR")
+            raise BadInput(
+                "neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST is set in an srun step.",
+                "export MASTER_ADDR.",
+                setting="MASTER_ADDR",
+            )
         try:
             master_addr = expand_slurm_nodelist(environ[list_var])[0]
         except ValueError as e:
-            raise BadInput(f"{list_var}={environ[list_var]!r}: {e}.", "export MASTER_ADDR (host of rank 0).",
-                           setting=list_var, value=environ[list_var]) from None
+            raise BadInput(
+                f"{list_var}={environ[list_var]!r}: {e}.",
+                "export MASTER_ADDR (host of rank 0).",
+                setting=list_var,
+                value=environ[list_var],
+            ) from None
     if "MASTER_PORT" in environ:
         master_port = _port(environ, "MASTER_PORT")
     else:
         job_var = _first(environ, "SLURM_JOB_ID", "SLURM_JOBID")
         if job_var is None:
-            raise BadInput("neither MASTER_PORT nor SLURM_JOB_ID is set in an srun step.", "export MASTER_PORT.",
-                           setting="MASTER_PORT")
+            raise BadInput(
+                "neither MASTER_PORT nor SLURM_JOB_ID is set in an srun step.",
+                "export MASTER_PORT.",
+                setting="MASTER_PORT",
+            )
         master_port = slurm_master_port(environ[job_var])
     env = DistEnv(
         rank=_int(environ, "SLURM_PROCID", fix=fix),
         local_rank=_int(environ, "SLURM_LOCALID", fix=fix),
-        world_size=world, local_world_size=local_world, node_rank=node_rank, num_nodes=nodes,
-        master_addr=master_addr, master_port=master_port, launcher="slurm",
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+        launcher="slurm",
     )
-    return _check_layout(env, {
-        "rank": "SLURM_PROCID", "local_rank": "SLURM_LOCALID", "world_size": world_var,
-        "local_world_size": f"{tpn_var}[SLURM_NODEID]", "node_rank": "SLURM_NODEID", "num_nodes": nodes_var or "nodes",
-    })
+    return _check_layout(
+        env,
+        {
+            "rank": "SLURM_PROCID",
+            "local_rank": "SLURM_LOCALID",
+            "world_size": world_var,
+            "local_world_size": f"{tpn_var}[SLURM_NODEID]",
+            "node_rank": "SLURM_NODEID",
+            "num_nodes": nodes_var or "nodes",
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -392,7 +463,8 @@ def _from_single(environ: Mapping[str, str]) -> DistEnv:
         raise BadInput(
             f"{shown} is set but not all of RANK, WORLD_SIZE, LOCAL_RANK (and LOCAL_WORLD_SIZE).",
             "export all of them plus MASTER_ADDR/MASTER_PORT, or unset them, or launch with ddp-job launch / torchrun.",
-            setting=next(iter(partial)), value=next(iter(partial.values())),
+            setting=next(iter(partial)),
+            value=next(iter(partial.values())),
         )
     port = _port(environ, "MASTER_PORT") if "MASTER_PORT" in environ else SINGLE_PORT
     return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", port, "single")
@@ -440,7 +512,7 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
         parts: list[list[str]] = []
         pos = 0
         for m in _NODE_GROUP.finditer(item):
-            parts.append([item[pos:m.start()]])
+            parts.append([item[pos : m.start()]])
             parts.append(_expand_ranges(m.group(1)))
             pos = m.end()
         tail = item[pos:]

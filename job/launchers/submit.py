@@ -58,8 +58,12 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
     key, sep, values = spec.partition("=")
     items = [v for v in values.split(",") if v != ""]
     if not sep or not re.fullmatch(r"[a-z_]+\.[a-z0-9_-]+", key) or not items:
-        raise BadInput(f"--sweep {spec!r} is not section.field=v1,v2,...", "write it as e.g. --sweep optim.lr=0.1,0.2.",
-                       setting="--sweep", value=spec)
+        raise BadInput(
+            f"--sweep {spec!r} is not section.field=v1,v2,...",
+            "write it as e.g. --sweep optim.lr=0.1,0.2.",
+            setting="--sweep",
+            value=spec,
+        )
     return key, items
 
 
@@ -86,7 +90,8 @@ def trainer_stop_signals(train_args: Sequence[str], submitit_signal: str) -> lis
                     f"--train.stop-signals {value!r} includes {submitit_signal}, which submitit needs for "
                     "checkpoint-and-requeue.",
                     f"remove it (the submit task turns {submitit_signal} into the STOP file).",
-                    setting="--train.stop-signals", value=value,
+                    setting="--train.stop-signals",
+                    value=value,
                 )
             return []  # the user's list stands
     return ["--train.stop-signals", ",".join(s for s in STOP_SIGNALS if s != submitit_signal)]
@@ -109,8 +114,12 @@ def split_run_dir_args(train_args: Sequence[str]) -> tuple[list[str], dict[str, 
         if not eq:
             value = next(args, "")
         if not value or value.startswith("--"):
-            raise BadInput(f"train argument {flag} has no value.", f"pass {flag} DIR (or {flag}=DIR), or leave it out.",
-                           setting=flag, value=value)
+            raise BadInput(
+                f"train argument {flag} has no value.",
+                f"pass {flag} DIR (or {flag}=DIR), or leave it out.",
+                setting=flag,
+                value=value,
+            )
         given[key] = value
     return rest, given
 
@@ -120,8 +129,12 @@ def _pick(option: str, own: Any, flag: str, given: str | None) -> Any:
     if given is None:
         return own
     if own is not None and Path(str(own)) != Path(given):  # Path: "runs/" and "runs" are one directory
-        raise BadInput(f"ddp-job submit {option} {own} and the train argument {flag} {given} disagree.",
-                       f"give the run directory once: {option} or {flag}.", setting=flag, value=given)
+        raise BadInput(
+            f"ddp-job submit {option} {own} and the train argument {flag} {given} disagree.",
+            f"give the run directory once: {option} or {flag}.",
+            setting=flag,
+            value=given,
+        )
     return given
 
 
@@ -137,11 +150,20 @@ def run_dir_choice(args: argparse.Namespace, given: dict[str, str]) -> tuple[Pat
     return Path(output_dir).resolve(), name
 
 
-def run_argv(train_args: Sequence[str], output_dir: Path, name: str, extra: Sequence[str], submitit_signal: str) -> list[str]:
+def run_argv(
+    train_args: Sequence[str], output_dir: Path, name: str, extra: Sequence[str], submitit_signal: str
+) -> list[str]:
     """The argv of ``job.train.run.main`` for one task (the run directory is fixed here, so a resubmitted
     task resumes the same run)."""
-    return [*train_args, *extra, "--run.output-dir", str(output_dir), "--run.name", name,
-            *trainer_stop_signals(train_args, submitit_signal)]
+    return [
+        *train_args,
+        *extra,
+        "--run.output-dir",
+        str(output_dir),
+        "--run.name",
+        name,
+        *trainer_stop_signals(train_args, submitit_signal),
+    ]
 
 
 def node_address(name: str) -> str:
@@ -155,8 +177,12 @@ def node_address(name: str) -> str:
     out = subprocess.run(["scontrol", "show", "node", name], capture_output=True, text=True, timeout=30).stdout
     match = re.search(r"\bNodeAddr=(\S+)", out)
     if not match:
-        raise BadInput(f"node name {name!r} does not resolve and `scontrol show node {name}` shows no NodeAddr.",
-                       "fix the node's DNS/hosts entry.", setting="MASTER_ADDR", value=name)
+        raise BadInput(
+            f"node name {name!r} does not resolve and `scontrol show node {name}` shows no NodeAddr.",
+            "fix the node's DNS/hosts entry.",
+            setting="MASTER_ADDR",
+            value=name,
+        )
     return match.group(1)
 
 
@@ -247,8 +273,11 @@ class _SignalChain:
             stop.request(self.run_dir)
         except OSError as err:
             print(f"submit task: cannot write {stop.stop_file(self.run_dir)}: {err}", file=sys.stderr, flush=True)
-        print(f"submit task rank {self.rank}: got {signal_name(signum)}: asking training to save via "
-              f"{stop.stop_file(self.run_dir)}", flush=True)
+        print(
+            f"submit task rank {self.rank}: got {signal_name(signum)}: asking training to save via "
+            f"{stop.stop_file(self.run_dir)}",
+            flush=True,
+        )
         if self.rank == 0 and self.grace_s > 0:
             signal.signal(signal.SIGALRM, self._on_deadline)
             signal.alarm(self.grace_s)
@@ -270,7 +299,8 @@ class _SignalChain:
 # ---------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="ddp-job submit", allow_abbrev=False,
+        prog="ddp-job submit",
+        allow_abbrev=False,
         description="Submit ddp-job training to Slurm with submitit. Unknown --section.field arguments "
         "(or everything after --) are ddp-job train overrides.",
     )
@@ -285,27 +315,68 @@ def build_parser() -> argparse.ArgumentParser:
     a("--account", default=None)
     a("--qos", default=None)
     a("--job-name", default="ddp-job")
-    a("--log-folder", type=Path, default=Path("logs/submitit"), help="submitit folder: logs, pickles (default logs/submitit)")
-    a("--output-dir", type=Path, default=None,
-      help=f"run.output_dir (default: the train argument --run.output-dir, else {DEFAULT_OUTPUT_DIR})")
-    a("--name", default=None, help="run.name (default: the train argument --run.name, else <job-name>-<UTC time>); "
-      "a sweep appends the values")
-    a("--sweep", action="append", default=[], metavar="SECTION.FIELD=V1,V2", help="one array task per value (repeat for a grid)")
+    a(
+        "--log-folder",
+        type=Path,
+        default=Path("logs/submitit"),
+        help="submitit folder: logs, pickles (default logs/submitit)",
+    )
+    a(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help=f"run.output_dir (default: the train argument --run.output-dir, else {DEFAULT_OUTPUT_DIR})",
+    )
+    a(
+        "--name",
+        default=None,
+        help="run.name (default: the train argument --run.name, else <job-name>-<UTC time>); "
+        "a sweep appends the values",
+    )
+    a(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=V1,V2",
+        help="one array task per value (repeat for a grid)",
+    )
     a("--max-requeues", type=int, default=3, help="how often a timed-out job is resubmitted (default 3)")
-    a("--signal-delay", type=int, default=120, help="seconds before the time limit that Slurm sends the signal (default 120)")
-    a("--preempt-grace", type=int, default=None, help="seconds training has to save after the signal before submitit requeues anyway (default signal-delay - 30)")
-    a("--cluster", default=None, choices=["slurm", "local", "debug"], help="submitit backend (default: slurm when available)")
+    a(
+        "--signal-delay",
+        type=int,
+        default=120,
+        help="seconds before the time limit that Slurm sends the signal (default 120)",
+    )
+    a(
+        "--preempt-grace",
+        type=int,
+        default=None,
+        help="seconds training has to save after the signal before submitit requeues anyway (default signal-delay - 30)",
+    )
+    a(
+        "--cluster",
+        default=None,
+        choices=["slurm", "local", "debug"],
+        help="submitit backend (default: slurm when available)",
+    )
     a("--wait", action="store_true", help="wait for the job(s); exit 0 only if all succeeded")
     return p
 
 
 def _executor(args: argparse.Namespace) -> submitit.AutoExecutor:
     if args.gpus_per_node < 0 or args.nodes < 1:
-        raise BadInput(f"--nodes {args.nodes} / --gpus-per-node {args.gpus_per_node}: need nodes >= 1 and gpus >= 0.",
-                       "pass --nodes 1 or more and --gpus-per-node 0 or more.", setting="--nodes/--gpus-per-node")
+        raise BadInput(
+            f"--nodes {args.nodes} / --gpus-per-node {args.gpus_per_node}: need nodes >= 1 and gpus >= 0.",
+            "pass --nodes 1 or more and --gpus-per-node 0 or more.",
+            setting="--nodes/--gpus-per-node",
+        )
     if args.gpus_per_node > 0 and args.tasks_per_node not in (None, args.gpus_per_node):
-        raise BadInput(f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: one task per GPU.",
-                       "drop --tasks-per-node.", setting="--tasks-per-node", value=args.tasks_per_node)
+        raise BadInput(
+            f"--tasks-per-node {args.tasks_per_node} with --gpus-per-node {args.gpus_per_node}: one task per GPU.",
+            "drop --tasks-per-node.",
+            setting="--tasks-per-node",
+            value=args.tasks_per_node,
+        )
     tasks = args.gpus_per_node or args.tasks_per_node or 1
     ex = submitit.AutoExecutor(folder=args.log_folder, cluster=args.cluster, slurm_max_num_timeout=args.max_requeues)
     params: dict[str, Any] = dict(name=args.job_name, nodes=args.nodes, tasks_per_node=tasks, timeout_min=args.time)
@@ -315,8 +386,12 @@ def _executor(args: argparse.Namespace) -> submitit.AutoExecutor:
         params["cpus_per_task"] = args.cpus_per_task
     if args.mem_gb:
         params["mem_gb"] = args.mem_gb
-    slurm = dict(slurm_partition=args.partition, slurm_account=args.account, slurm_qos=args.qos,
-                 slurm_signal_delay_s=args.signal_delay)
+    slurm = dict(
+        slurm_partition=args.partition,
+        slurm_account=args.account,
+        slurm_qos=args.qos,
+        slurm_signal_delay_s=args.signal_delay,
+    )
     params.update({k: v for k, v in slurm.items() if v is not None})
     ex.update_parameters(**params)
     return ex
@@ -326,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         i = argv.index("--")
-        own, train_args = argv[:i], argv[i + 1:]
+        own, train_args = argv[:i], argv[i + 1 :]
         args = build_parser().parse_args(own)
     else:
         args, train_args = build_parser().parse_known_args(argv)
@@ -336,8 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     output_dir, base = run_dir_choice(args, given)
     runs = sweep_runs(base, args.sweep)
     grace = args.preempt_grace if args.preempt_grace is not None else max(args.signal_delay - 30, 10)
-    tasks = [TrainTask(run_argv(train_args, output_dir, name, extra, usr_sig), str(output_dir / name), grace)
-             for name, extra in runs]
+    tasks = [
+        TrainTask(run_argv(train_args, output_dir, name, extra, usr_sig), str(output_dir / name), grace)
+        for name, extra in runs
+    ]
     ex = _executor(args)
     if len(tasks) == 1:
         jobs = [ex.submit(tasks[0])]
@@ -364,7 +441,7 @@ def job_exit_code(job: submitit.Job) -> int:
     one records it, see ``_end_failed``). A task without a result died before it could: 1."""
     try:
         return max(job.results())
-    except Exception as err:  # noqa: BLE001 - any failure of a job is reported, then the next one
+    except Exception as err:
         text = str(err).strip()
         last = text.splitlines()[-1] if text else repr(err)
         print(f"job {job.job_id} failed without an exit code: {last}", file=sys.stderr)

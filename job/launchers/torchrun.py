@@ -87,8 +87,8 @@ def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[li
     argv = list(argv)
     if "--" in argv:
         cut = argv.index("--")
-        return argv[:cut], argv[cut + 1:]
-    actions = parser._option_string_actions  # noqa: SLF001 - argparse's own option table
+        return argv[:cut], argv[cut + 1 :]
+    actions = parser._option_string_actions
     i = 0
     while i < len(argv):
         word = argv[i]
@@ -120,7 +120,8 @@ def build_torchrun_args(argv: Sequence[str], module: str = TARGET_MODULE) -> arg
         raise BadInput(
             f"ddp-job launch {' '.join(chosen)}: the worker command is always `python -m {module} {TARGET_COMMAND}` "
             f"(or `doctor`: `ddp-job launch [options] -- doctor [args]`).",
-            "drop the option (use plain torchrun to run another program).", setting=chosen[0],
+            "drop the option (use plain torchrun to run another program).",
+            setting=chosen[0],
         )
     command, rest = split_command(job_args)
     args = parser.parse_args([*options, "--module", module, command, *rest])
@@ -128,7 +129,8 @@ def build_torchrun_args(argv: Sequence[str], module: str = TARGET_MODULE) -> arg
     if args.no_python or args.run_path:
         raise BadInput(
             "PET_NO_PYTHON or PET_RUN_PATH is set: ddp-job launch always runs `python -m job train` (or doctor).",
-            "unset PET_NO_PYTHON and PET_RUN_PATH.", setting="PET_NO_PYTHON/PET_RUN_PATH",
+            "unset PET_NO_PYTHON and PET_RUN_PATH.",
+            setting="PET_NO_PYTHON/PET_RUN_PATH",
         )
     return args
 
@@ -192,7 +194,8 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
         result = EXIT_PREEMPTED if EXIT_PREEMPTED in exits else 128 + sig
         print(
             f"ddp-job launch: got {signal.Signals(sig).name}; worker exit codes {[_code(c) for c in exits]}; exit code {result}",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
         return result
     return EXIT_OK

@@ -23,7 +23,9 @@ log = logging.getLogger("job")
 
 def setup_console(rank: int, world_size: int) -> None:
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}/{world_size}] %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [rank {rank}/{world_size}] %(levelname)s %(message)s", "%H:%M:%S")
+    )
     root = logging.getLogger("job")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
@@ -144,8 +146,16 @@ class TrainLog:
 
     STRAGGLER_RATIO = 1.2
 
-    def __init__(self, every: int, total_steps: int, global_batch_size: int, device: torch.device, writer: NullWriter,
-                 observer: Any, progress: Any = None) -> None:
+    def __init__(
+        self,
+        every: int,
+        total_steps: int,
+        global_batch_size: int,
+        device: torch.device,
+        writer: NullWriter,
+        observer: Any,
+        progress: Any = None,
+    ) -> None:
         self.every, self.total_steps, self.global_batch_size = every, total_steps, global_batch_size
         self.device, self.writer, self.observer, self.progress = device, writer, observer, progress
         self.timer = StepTimer()
@@ -175,8 +185,10 @@ class TrainLog:
             **self.timer.summary(self.global_batch_size),
         }
         self.writer.scalars(step, scalars)
-        line = (f"step {step}/{self.total_steps} loss {scalars['train/loss']:.4f} lr {lr:.4g} "
-                f"{scalars['perf/samples_per_s']:.1f} samples/s data-wait {100 * scalars['perf/data_wait_frac']:.1f}%")
+        line = (
+            f"step {step}/{self.total_steps} loss {scalars['train/loss']:.4f} lr {lr:.4g} "
+            f"{scalars['perf/samples_per_s']:.1f} samples/s data-wait {100 * scalars['perf/data_wait_frac']:.1f}%"
+        )
         log.info(line + _cross_rank_facts(cross_rank, self.STRAGGLER_RATIO))
         self.loss_sum.zero_()
         self.timer.reset()
@@ -190,6 +202,8 @@ def _cross_rank_facts(s: dict[str, float] | None, ratio: float) -> str:
     if "perf/mfu" in s:
         text += f", MFU {s['perf/mfu']:.1%}"
     if s["straggler/busy_s_max"] >= ratio * s["straggler/busy_s_median"] > 0:
-        text += (f"; straggler: rank {int(s['straggler/slowest_rank'])} busy {s['straggler/busy_s_max']:.3f} s "
-                 f"(median {s['straggler/busy_s_median']:.3f} s)")
+        text += (
+            f"; straggler: rank {int(s['straggler/slowest_rank'])} busy {s['straggler/busy_s_max']:.3f} s "
+            f"(median {s['straggler/busy_s_median']:.3f} s)"
+        )
     return text

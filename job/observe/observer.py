@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import re
-import resource
 import statistics
 import time
 from collections.abc import Iterator
@@ -34,13 +33,22 @@ from torch import nn
 
 from job.config import JobConfig
 from job.errors import CollectiveTimeout, JobError, is_collective_timeout
-from job.observe.metrics import memory_mb
 from job.launchers.env import DistEnv
+from job.observe.metrics import memory_mb
 
 log = logging.getLogger("job")
 
 # Dense bf16 peak TFLOP/s per device, for MFU when observe.peak_tflops is 0 (vendor data sheets).
-PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0, "V100": 125.0}
+PEAK_TFLOPS = {
+    "B200": 2250.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10": 125.0,
+    "L4": 121.0,
+    "V100": 125.0,
+}
 _FIELDS = ("step_s", "busy_s", "data_wait_frac", "peak_alloc_mb", "peak_reserved_mb", "rss_mb", "peak_rss_mb")
 
 
@@ -66,7 +74,9 @@ def train_flops_per_sample(model: nn.Module, image_size: int, device: torch.devi
     return 3.0 * counter.get_total_flops()
 
 
-def summarize(rows: list[list[float]], global_batch: int, flops_per_sample: float, peak_tflops: float) -> dict[str, float]:
+def summarize(
+    rows: list[list[float]], global_batch: int, flops_per_sample: float, peak_tflops: float
+) -> dict[str, float]:
     """Rank 0's scalars from every rank's window averages (``rows[rank]`` ordered as ``_FIELDS``). Pure."""
     world = len(rows)
     col = {f: [r[i] for r in rows] for i, f in enumerate(_FIELDS)}
@@ -75,13 +85,19 @@ def summarize(rows: list[list[float]], global_batch: int, flops_per_sample: floa
     med = statistics.median(busy)
     step_s = max(col["step_s"])
     out = {
-        "straggler/busy_s_min": min(busy), "straggler/busy_s_median": med, "straggler/busy_s_max": busy[slow],
-        "straggler/slowest_rank": float(slow), "straggler/spread": busy[slow] / med if med > 0 else 1.0,
-        "straggler/step_s_min": min(col["step_s"]), "straggler/step_s_median": statistics.median(col["step_s"]),
+        "straggler/busy_s_min": min(busy),
+        "straggler/busy_s_median": med,
+        "straggler/busy_s_max": busy[slow],
+        "straggler/slowest_rank": float(slow),
+        "straggler/spread": busy[slow] / med if med > 0 else 1.0,
+        "straggler/step_s_min": min(col["step_s"]),
+        "straggler/step_s_median": statistics.median(col["step_s"]),
         "straggler/step_s_max": step_s,
         "perf/samples_per_s_global": global_batch / step_s if step_s > 0 else 0.0,
-        "mem/peak_alloc_mb_max": max(col["peak_alloc_mb"]), "mem/peak_reserved_mb_max": max(col["peak_reserved_mb"]),
-        "mem/rss_mb_max": max(col["rss_mb"]), "mem/peak_rss_mb_max": max(col["peak_rss_mb"]),
+        "mem/peak_alloc_mb_max": max(col["peak_alloc_mb"]),
+        "mem/peak_reserved_mb_max": max(col["peak_reserved_mb"]),
+        "mem/rss_mb_max": max(col["rss_mb"]),
+        "mem/peak_rss_mb_max": max(col["peak_rss_mb"]),
     }
     out["perf/samples_per_s_per_device"] = out["perf/samples_per_s_global"] / world
     if flops_per_sample > 0:
@@ -99,8 +115,17 @@ def summarize(rows: list[list[float]], global_batch: int, flops_per_sample: floa
 class Observer:
     """One per rank; the training loop calls ``step_done`` after every optimizer step and ``close`` at the end."""
 
-    def __init__(self, cfg: JobConfig, env: DistEnv, control_group: Any, model: nn.Module, device: torch.device,
-                 global_batch: int, writer: Any, start_step: int) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: DistEnv,
+        control_group: Any,
+        model: nn.Module,
+        device: torch.device,
+        global_batch: int,
+        writer: Any,
+        start_step: int,
+    ) -> None:
         self.cfg, self.env, self.group, self.device, self.writer = cfg, env, control_group, device, writer
         self.every = cfg.observe.every or cfg.log.every
         self.global_batch = global_batch
@@ -120,8 +145,12 @@ class Observer:
         first = next(p for p in model.parameters() if p.requires_grad)
         first.register_post_accumulate_grad_hook(self._grads_ready)
         if env.is_main:
-            log.info("observe: %.3g GFLOP per training sample, peak %s TFLOP/s per device, stats every %d steps",
-                     self.flops / 1e9, self.peak_tflops or "unknown (no MFU)", self.every)
+            log.info(
+                "observe: %.3g GFLOP per training sample, peak %s TFLOP/s per device, stats every %d steps",
+                self.flops / 1e9,
+                self.peak_tflops or "unknown (no MFU)",
+                self.every,
+            )
 
     # --- hooks ---
     def _grads_ready(self, _param: torch.Tensor) -> None:
@@ -176,7 +205,9 @@ class Observer:
             # TensorBoard's profile plugin reads <logdir>/plugins/profile/<run>/*.pt.trace.json; one run per window.
             out = self.cfg.run_dir / "tb" / "plugins" / "profile" / f"step-{step:07d}"
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self._prof = profile(activities=acts, on_trace_ready=tensorboard_trace_handler(str(out), worker_name=f"rank{self.env.rank}"))
+            self._prof = profile(
+                activities=acts, on_trace_ready=tensorboard_trace_handler(str(out), worker_name=f"rank{self.env.rank}")
+            )
             self._prof.start()
             self._prof_end = step + o.profile_steps
         elif self._prof is not None and step >= self._prof_end:
@@ -197,6 +228,12 @@ class Observer:
 _LINE = re.compile(r"done=(-?\d+) grads=(-?\d+) t=([\d.]+)")
 
 
+def _doing(done: int, grads_ready: bool) -> str:
+    if grads_ready:
+        return f"gradients of step {done + 1} ready, waiting in its all-reduce"
+    return f"computing step {done + 1}"
+
+
 def stall_report(run_dir: Path, world_size: int, now: float | None = None) -> str:
     """Which ranks the others were waiting for, from the progress files. Pure apart from reading them."""
     now = time.time() if now is None else now
@@ -212,8 +249,10 @@ def stall_report(run_dir: Path, world_size: int, now: float | None = None) -> st
             continue
         done, grads = int(m.group(1)), int(m.group(2))
         state[r] = (done, grads == done + 1, float(m.group(3)))
-    parts = [f"rank {r}: completed step {d}, {'gradients of step %d ready, waiting in its all-reduce' % (d + 1) if g else 'computing step %d' % (d + 1)}, "
-             f"last progress {now - t:.1f} s ago" for r, (d, g, t) in sorted(state.items())]
+    parts = [
+        f"rank {r}: completed step {d}, {_doing(d, g)}, last progress {now - t:.1f} s ago"
+        for r, (d, g, t) in sorted(state.items())
+    ]
     if missing:
         parts.append(f"no progress file for rank(s) {missing} (never started a step, or {run_dir} is not shared)")
     if not state:
@@ -241,5 +280,6 @@ def explain_timeouts(cfg: JobConfig, env: DistEnv) -> Iterator[None]:
             "look at the stalled rank's log and host; raise dist.train_timeout_s if it is only slow. NCCL flight "
             "recorder dumps (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE) "
             "show the last collectives per rank; see docs/doctor.md.",
-            setting="dist.train_timeout_s", value=cfg.dist.train_timeout_s,
+            setting="dist.train_timeout_s",
+            value=cfg.dist.train_timeout_s,
         ) from e

@@ -34,28 +34,43 @@ def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
     if cfg.ddp.comm_hook == "powersgd" and (cfg.dist.backend == "gloo" or not cuda_available):
         # torch's PowerSGD hook waits on a second all-reduce inside a future callback; on gloo that callback
         # runs on gloo's own worker thread and the step never finishes (hung in our 2-process CPU test).
-        raise BadInput("ddp.comm_hook='powersgd' needs the nccl backend (CUDA); on gloo its hook deadlocks.",
-                       "--ddp.comm-hook bf16 (or fp16/none) on CPU/gloo.", setting="ddp.comm_hook", value="powersgd")
+        raise BadInput(
+            "ddp.comm_hook='powersgd' needs the nccl backend (CUDA); on gloo its hook deadlocks.",
+            "--ddp.comm-hook bf16 (or fp16/none) on CPU/gloo.",
+            setting="ddp.comm_hook",
+            value="powersgd",
+        )
     if cfg.train.strategy != "dp":
         return
     if not cuda_available:
         raise BadInput(
             "train.strategy='dp' needs CUDA GPUs: nn.DataParallel splits each batch over the visible GPUs of one "
-            "process, and no GPU is visible.", "use --train.strategy ddp (runs on CPU with gloo).",
-            setting="train.strategy", value="dp",
+            "process, and no GPU is visible.",
+            "use --train.strategy ddp (runs on CPU with gloo).",
+            setting="train.strategy",
+            value="dp",
         )
     if world_size > 1:
         raise BadInput(
             f"train.strategy='dp' runs in one process, but this job has world_size={world_size} processes.",
             "start a single process (ddp-job train without torchrun, or --dist.nproc-per-node 1), "
-            "or use --train.strategy ddp.", setting="train.strategy", value="dp",
+            "or use --train.strategy ddp.",
+            setting="train.strategy",
+            value="dp",
         )
-    for name, value, default in (("ddp.comm_hook", cfg.ddp.comm_hook, "none"), ("optim.zero", cfg.optim.zero, False),
-                                 ("model.sync_bn", cfg.model.sync_bn, False)):
+    for name, value, default in (
+        ("ddp.comm_hook", cfg.ddp.comm_hook, "none"),
+        ("optim.zero", cfg.optim.zero, False),
+        ("model.sync_bn", cfg.model.sync_bn, False),
+    ):
         if value != default:
-            raise BadInput(f"{name}={value!r} needs train.strategy='ddp' (DataParallel has one process: nothing to "
-                           "communicate or shard).", f"--{name.replace('_', '-')} {str(default).lower()}, or --train.strategy ddp.",
-                           setting=name, value=value)
+            raise BadInput(
+                f"{name}={value!r} needs train.strategy='ddp' (DataParallel has one process: nothing to "
+                "communicate or shard).",
+                f"--{name.replace('_', '-')} {str(default).lower()}, or --train.strategy ddp.",
+                setting=name,
+                value=value,
+            )
 
 
 def apply_tf32(enabled: bool) -> None:
@@ -108,8 +123,9 @@ def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
         # Error feedback + warm start: the compression error is re-added next step, so training converges
         # like plain all-reduce at a fraction of the bytes. Their state lives in memory only (not checkpointed):
         # after a resume PowerSGD restarts with plain all-reduce for start_iter iterations.
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
-                                            start_powerSGD_iter=cfg.powersgd_start_iter)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=cfg.powersgd_start_iter
+        )
         return powerSGD_hook.powerSGD_hook, state
     return default_hooks.allreduce_hook, None
 
@@ -124,9 +140,13 @@ def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
         log.info("strategy dp: nn.DataParallel over %d visible GPU(s), one process", n)
         return DataParallelBaseline(raw_model)
     d = cfg.ddp
-    model = DDP(raw_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-                bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
-                static_graph=d.static_graph)
+    model = DDP(
+        raw_model,
+        device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+        bucket_cap_mb=d.bucket_cap_mb,
+        gradient_as_bucket_view=d.gradient_as_bucket_view,
+        static_graph=d.static_graph,
+    )
     # Before the hook, so PowerSGD's iteration count and the counter see real steps only (DDP takes a hook
     # between iterations).
     settle_buckets(model, cfg.data.image_size, rt.device)
@@ -172,8 +192,10 @@ def settle_buckets(model: DDP, image_size: int, device: torch.device) -> None:
     raw.zero_grad(set_to_none=True)
     raw.train(was_training)
     if not model._has_rebuilt_buckets:
-        log.warning("DDP did not rebuild its gradient buckets during start-up: a resumed run may differ from an "
-                    "uninterrupted one in the last bits of the gradients")
+        log.warning(
+            "DDP did not rebuild its gradient buckets during start-up: a resumed run may differ from an "
+            "uninterrupted one in the last bits of the gradients"
+        )
 
 
 def comm_summary(model: nn.Module, grad_accum_steps: int) -> str | None:
@@ -181,8 +203,10 @@ def comm_summary(model: nn.Module, grad_accum_steps: int) -> str | None:
     counter: CommCounter | None = getattr(model, "job_comm_counter", None)
     if counter is None:
         return None
-    return (f"comm: all-reduce calls per optimizer step {counter.per_step} (total {counter.calls}), "
-            f"distinct buckets {len(counter.buckets)}, grad_accum_steps {grad_accum_steps}")
+    return (
+        f"comm: all-reduce calls per optimizer step {counter.per_step} (total {counter.calls}), "
+        f"distinct buckets {len(counter.buckets)}, grad_accum_steps {grad_accum_steps}"
+    )
 
 
 def zero_optimizer(groups: list[dict], cls: type[Optimizer], kwargs: dict[str, Any]) -> Optimizer:

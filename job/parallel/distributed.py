@@ -13,16 +13,15 @@ import datetime
 import os
 import random
 from dataclasses import dataclass
-
-import numpy as np
 from typing import cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from job.config import DistConfig
-from job.launchers.env import DistEnv
 from job.errors import BadInput
+from job.launchers.env import DistEnv
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,12 @@ def pick_backend(cfg: DistConfig, cuda_available: bool) -> str:
     if cfg.backend == "auto":
         return "nccl" if cuda_available else "gloo"
     if cfg.backend == "nccl" and not cuda_available:
-        raise BadInput("dist.backend='nccl' but no CUDA device is visible.", "use --dist.backend gloo (or auto) on CPU.",
-                       setting="dist.backend", value="nccl")
+        raise BadInput(
+            "dist.backend='nccl' but no CUDA device is visible.",
+            "use --dist.backend gloo (or auto) on CPU.",
+            setting="dist.backend",
+            value="nccl",
+        )
     return cfg.backend
 
 
@@ -59,7 +62,8 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
     raise BadInput(
         f"LOCAL_RANK={env.local_rank} but only {count} CUDA devices are visible.",
         f"start at most {count} processes per node (--dist.nproc-per-node / --nproc-per-node).",
-        setting="LOCAL_RANK", value=env.local_rank,
+        setting="LOCAL_RANK",
+        value=env.local_rank,
     )
 
 
@@ -75,7 +79,9 @@ def setup(env: DistEnv, cfg: DistConfig) -> Runtime:
     timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
     if env.launcher in ("torchrun", "env"):
         # torchrun workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE); env:// knows how.
-        dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, init_method="env://", timeout=timeout, device_id=device if device.type == "cuda" else None
+        )
     elif env.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:

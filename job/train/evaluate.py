@@ -15,8 +15,14 @@ from job.train.parts import Parts
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Any, device: torch.device, num_classes: int, channels_last: bool,
-             autocast: contextlib.AbstractContextManager[Any]) -> dict[str, float]:
+def evaluate(
+    model: nn.Module,
+    loader: Any,
+    device: torch.device,
+    num_classes: int,
+    channels_last: bool,
+    autocast: contextlib.AbstractContextManager[Any],
+) -> dict[str, float]:
     """Exact over all ranks: each rank holds a disjoint shard; sums and counts are all-reduced, never means.
 
     Runs the unwrapped model: shards may differ in length, and DDP's forward would broadcast buffers, a
@@ -48,7 +54,13 @@ class Evaluator:
     """Evaluates the model (and its EMA) every ``every`` steps during training, and once at the end."""
 
     def __init__(self, parts: Parts, num_classes: int, every: int, total_steps: int, writer: NullWriter) -> None:
-        self.parts, self.num_classes, self.every, self.total_steps, self.writer = parts, num_classes, every, total_steps, writer
+        self.parts, self.num_classes, self.every, self.total_steps, self.writer = (
+            parts,
+            num_classes,
+            every,
+            total_steps,
+            writer,
+        )
 
     def results(self) -> dict[str, float]:
         """Validation metrics of the model, and of the EMA as ``ema/...`` when it is enabled (every rank)."""

@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from job.checkpoint.checkpointer import Checkpointer
-from job.config import JobConfig
+from job.config import JobConfig, config_to_dict
 from job.config.plan import Plan
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 from job.launchers.env import DistEnv
 from job.observe.metrics import NullWriter, TrainLog, hparams
-from job.config import config_to_dict
 from job.parallel import ddp, distributed
 from job.train.evaluate import Evaluator
 from job.train.parts import Parts
@@ -91,7 +90,10 @@ def finish(run: Run) -> int:
     run.writer.hparams(hparams(config_to_dict(run.cfg)), {"hparam/" + k: v for k, v in results.items()})
     if is_main:
         run_dir = run.cfg.run_dir
-        print(f"FINAL step={step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
-              f"val_loss={results['val/loss']:.4f} val_count={int(results['val/count'])} run_dir={run_dir} "
-              f"tensorboard={run_dir / 'tb'}", flush=True)
+        print(
+            f"FINAL step={step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
+            f"val_loss={results['val/loss']:.4f} val_count={int(results['val/count'])} run_dir={run_dir} "
+            f"tensorboard={run_dir / 'tb'}",
+            flush=True,
+        )
     return EXIT_OK

@@ -28,12 +28,19 @@ def validate_model(cfg: ModelConfig) -> None:
     names = available_models()
     if cfg.name not in names:
         close = [n for n in names if cfg.name.split("_")[0][:4] in n][:8]
-        raise BadInput(f"model.name={cfg.name!r} is not a torchvision classification model.",
-                       f"pick one of e.g. {close or names[:8]} (full list: torchvision.models.list_models()).",
-                       setting="model.name", value=cfg.name)
+        raise BadInput(
+            f"model.name={cfg.name!r} is not a torchvision classification model.",
+            f"pick one of e.g. {close or names[:8]} (full list: torchvision.models.list_models()).",
+            setting="model.name",
+            value=cfg.name,
+        )
     if cfg.norm == "group" and not cfg.name.startswith(_RESNETS):
-        raise BadInput(f"model.norm='group' is supported for ResNet-family models, not model.name={cfg.name!r}.",
-                       "use model.norm=batch.", setting="model.norm", value=cfg.norm)
+        raise BadInput(
+            f"model.norm='group' is supported for ResNet-family models, not model.name={cfg.name!r}.",
+            "use model.norm=batch.",
+            setting="model.norm",
+            value=cfg.norm,
+        )
 
 
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:

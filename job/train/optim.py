@@ -55,7 +55,9 @@ def _impl_kwargs(device: torch.device, zero: bool) -> dict[str, bool]:
 def optimizer_spec(cfg: OptimConfig, lr: float, device: torch.device) -> tuple[type[Optimizer], dict[str, Any]]:
     """(class, keyword arguments) of the configured optimizer; weight decay comes per parameter group."""
     if cfg.name == "sgd":
-        return torch.optim.SGD, dict(lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_impl_kwargs(device, cfg.zero))
+        return torch.optim.SGD, dict(
+            lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_impl_kwargs(device, cfg.zero)
+        )
     if cfg.name == "adamw":
         return torch.optim.AdamW, dict(lr=lr, betas=cfg.betas, **_impl_kwargs(device, cfg.zero))
     from timm.optim import Lamb, Lars  # imported on demand: timm's import costs ~1 s
@@ -89,9 +91,16 @@ def build_scheduler(optimizer: Optimizer, cfg: SchedConfig, total_steps: int) ->
     if cfg.name == "onecycle":
         peak = optimizer.param_groups[0]["lr"]
         # cycle_momentum=False: keep momentum/betas fixed so every optimizer (timm's too) behaves the same.
-        return OneCycleLR(optimizer, max_lr=peak,
-                          total_steps=max(total_steps, 2), pct_start=cfg.pct_start, anneal_strategy="cos",
-                          cycle_momentum=False, div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
+        return OneCycleLR(
+            optimizer,
+            max_lr=peak,
+            total_steps=max(total_steps, 2),
+            pct_start=cfg.pct_start,
+            anneal_strategy="cos",
+            cycle_momentum=False,
+            div_factor=cfg.div_factor,
+            final_div_factor=cfg.final_div_factor,
+        )
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     main_steps = max(total_steps - warmup, 1)
     if cfg.name == "cosine":

@@ -47,8 +47,9 @@ def build_parts(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtim
     """Every part, seeded the same way on every rank (DDP also broadcasts rank 0's weights)."""
     device = rt.device
     distributed.seed_all(cfg.run.seed)
-    loaders = build_loaders(cfg.data, env.rank, env.world_size, plan.micro_batch_size, cfg.run.seed, device,
-                            plan.grad_accum_steps)
+    loaders = build_loaders(
+        cfg.data, env.rank, env.world_size, plan.micro_batch_size, cfg.run.seed, device, plan.grad_accum_steps
+    )
     loaders = wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last)
     torch.manual_seed(cfg.run.seed)  # identical init everywhere
     raw_model = build_model(cfg.model, cfg.data.num_classes).to(device)
@@ -58,12 +59,18 @@ def build_parts(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtim
         train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
     optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device)
     return Parts(
-        device=device, loaders=loaders, raw_model=raw_model, model=model, train_model=train_model,
-        optimizer=optimizer, scheduler=build_scheduler(optimizer, cfg.sched, plan.total_steps),
+        device=device,
+        loaders=loaders,
+        raw_model=raw_model,
+        model=model,
+        train_model=train_model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.sched, plan.total_steps),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
         ema=build_ema(raw_model, cfg.ema),
         criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
-        autocast=autocast(cfg.train.precision, device), channels_last=cfg.model.channels_last,
+        autocast=autocast(cfg.train.precision, device),
+        channels_last=cfg.model.channels_last,
     )
 
 

@@ -55,7 +55,9 @@ class StopRequest:
 
     def install(self, signal_names: Iterable[str]) -> None:
         if threading.current_thread() is not threading.main_thread():
-            log.warning("not on the main thread: signal handlers not installed; only the stop file %s works", self.stop_file)
+            log.warning(
+                "not on the main thread: signal handlers not installed; only the stop file %s works", self.stop_file
+            )
             return
         for name in signal_names:
             signum = getattr(signal, name)
@@ -80,8 +82,12 @@ class StopRequest:
         if stop.discard_honoured(self.run_dir):
             log.info("removed %s: a stop request the previous attempt honoured", self.stop_file)
         elif self.stop_file.exists():
-            log.warning("%s exists: a stop request made before training started; this run saves and exits "
-                        "%d after its first step (delete the file to train on)", self.stop_file, EXIT_PREEMPTED)
+            log.warning(
+                "%s exists: a stop request made before training started; this run saves and exits "
+                "%d after its first step (delete the file to train on)",
+                self.stop_file,
+                EXIT_PREEMPTED,
+            )
 
     def honoured(self, step: int) -> None:
         """Rank 0, once the stop checkpoint of ``step`` is on disk."""

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -37,9 +37,9 @@ from job.parallel import distributed
 from job.train import debug
 from job.train.evaluate import Evaluator
 from job.train.loop import Run, train_loop
+from job.train.model import validate_model
 from job.train.parts import Parts, build_parts
 from job.train.preempt import StopRequest
-from job.train.model import validate_model
 from job.train.step import TrainState
 
 log = logging.getLogger("job")
@@ -52,11 +52,19 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
     parallel.validate(cfg, env.world_size, torch.cuda.is_available())
     validate_model(cfg.model)
     if cfg.model.sync_bn and not torch.cuda.is_available():
-        raise BadInput("model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel).",
-                       "--model.sync-bn false, or --model.norm group.", setting="model.sync_bn", value=True)
+        raise BadInput(
+            "model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel).",
+            "--model.sync-bn false, or --model.norm group.",
+            setting="model.sync_bn",
+            value=True,
+        )
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
-        raise BadInput("train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported).",
-                       "use bf16 or fp32 on CPU.", setting="train.precision", value="fp16")
+        raise BadInput(
+            "train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported).",
+            "use bf16 or fp32 on CPU.",
+            setting="train.precision",
+            value="fp16",
+        )
     layout = validate_data(cfg.data)
     check_train_size(cfg.data, layout, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
     run_dir = cfg.run_dir
@@ -65,7 +73,8 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
         raise BadInput(
             f"run directory {run_dir} cannot be created or written ({existing} is not a writable directory).",
             "set run.output_dir (--run.output-dir / JOB_RUN__OUTPUT_DIR) to a writable directory.",
-            setting="run.output_dir", value=cfg.run.output_dir,
+            setting="run.output_dir",
+            value=cfg.run.output_dir,
         )
     return plan
 
@@ -116,19 +125,37 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
         if found is not None:
             checkpointer.restore(found)
         del found
-        writer = cleanup.enter_context(contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir)))
+        writer = cleanup.enter_context(
+            contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir))
+        )
         writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
-        observer = observe.Observer(cfg, env, rt.control_group, parts.raw_model, parts.device, plan.global_batch_size,
-                                    writer, state.step)
+        observer = observe.Observer(
+            cfg, env, rt.control_group, parts.raw_model, parts.device, plan.global_batch_size, writer, state.step
+        )
         cleanup.callback(observer.close)
         progress = _progress(cfg, env, state.step, plan.total_steps)
         if progress is not None:
             cleanup.callback(progress.close)
-        train_log = metrics.TrainLog(cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer,
-                                     observer, progress)
+        train_log = metrics.TrainLog(
+            cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer, observer, progress
+        )
         evaluator = Evaluator(parts, cfg.data.num_classes, cfg.train.eval_every, plan.total_steps, writer)
-        return train_loop(Run(cfg, env, plan, rt, parts, state, parts.loaders.batches(state), stop, checkpointer,
-                              evaluator, train_log, writer))
+        return train_loop(
+            Run(
+                cfg,
+                env,
+                plan,
+                rt,
+                parts,
+                state,
+                parts.loaders.batches(state),
+                stop,
+                checkpointer,
+                evaluator,
+                train_log,
+                writer,
+            )
+        )
 
 
 def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
@@ -136,8 +163,11 @@ def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
     finds the stop file must not train on while its node is being drained (job.launchers.stop)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if restarted and distributed.all_reduce_max_flag(stop.stop_file.exists(), rt):
-        log.info("stop file %s present after a worker-group restart: exiting %d without training", stop.stop_file,
-                 EXIT_PREEMPTED)
+        log.info(
+            "stop file %s present after a worker-group restart: exiting %d without training",
+            stop.stop_file,
+            EXIT_PREEMPTED,
+        )
         return True
     return False
 
@@ -152,8 +182,9 @@ def _start_run_dir(cfg: JobConfig, env: DistEnv, plan: Plan, stop: StopRequest, 
     distributed.barrier(rt)
 
 
-def _checkpointer(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, parts: Parts,
-                  state: TrainState) -> Checkpointer:
+def _checkpointer(
+    cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, parts: Parts, state: TrainState
+) -> Checkpointer:
     """The checkpoint registry (one line per stateful part, in restore order) and its cadence."""
     layout = Layout(env.world_size, plan)
     states = States()
@@ -167,13 +198,19 @@ def _checkpointer(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runt
     if parts.ema is not None:  # optional: a run may enable EMA on resume (with ckpt.allow_config_change)
         states.add("ema", parts.ema, optional=True)
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and parts.device.type == "cuda")
-    manager = ckpt.CheckpointManager(cfg.run_dir, cfg.ckpt.keep_last, async_save, env.is_main,
-                                     cfg.debug.ckpt_write_delay_s)
+    manager = ckpt.CheckpointManager(
+        cfg.run_dir, cfg.ckpt.keep_last, async_save, env.is_main, cfg.debug.ckpt_write_delay_s
+    )
     manager.clean_stale_tmp()
 
     def meta() -> dict[str, Any]:  # what preflight checks a resume against, readable without loading state.pt
-        return {"world_size": env.world_size, "config": config_to_dict(cfg), "torch": torch.__version__,
-                "trainer": asdict(state), "plan": asdict(plan)}
+        return {
+            "world_size": env.world_size,
+            "config": config_to_dict(cfg),
+            "torch": torch.__version__,
+            "trainer": asdict(state),
+            "plan": asdict(plan),
+        }
 
     return Checkpointer(manager, states, cfg.ckpt.every, plan.total_steps, meta)
 

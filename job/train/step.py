@@ -58,8 +58,9 @@ class _Nowhere:
     where = ""
 
 
-def train_step(parts: Parts, batches: Iterator[Any], plan: Plan, state: TrainState, cfg: TrainConfig,
-               where: Where | None = None) -> StepOutput:
+def train_step(
+    parts: Parts, batches: Iterator[Any], plan: Plan, state: TrainState, cfg: TrainConfig, where: Where | None = None
+) -> StepOutput:
     """Run optimizer step ``state.step + 1`` and advance ``state``.
 
     Raises:
@@ -114,14 +115,19 @@ def _update(parts: Parts, state: TrainState, cfg: TrainConfig, finite: bool) -> 
         parts.scaler.step(parts.optimizer)  # with fp16 the scaler itself skips non-finite steps
     else:
         state.nonfinite_skips += 1
-        log.warning("step %d: non-finite loss or gradient norm; update skipped (%d/%d)",
-                    state.step + 1, state.nonfinite_skips, cfg.max_nonfinite_skips)
+        log.warning(
+            "step %d: non-finite loss or gradient norm; update skipped (%d/%d)",
+            state.step + 1,
+            state.nonfinite_skips,
+            cfg.max_nonfinite_skips,
+        )
         if state.nonfinite_skips > cfg.max_nonfinite_skips:
             raise NonFiniteError(
                 f"step {state.step + 1}: more than train.max_nonfinite_skips={cfg.max_nonfinite_skips} "
                 f"updates skipped for non-finite loss/gradients. The newest checkpoint holds only finite values.",
                 "lower optim.lr, enable train.grad_clip_norm, or check the data.",
-                setting="train.max_nonfinite_skips", value=cfg.max_nonfinite_skips,
+                setting="train.max_nonfinite_skips",
+                value=cfg.max_nonfinite_skips,
             )
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
