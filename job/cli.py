@@ -70,7 +70,8 @@ def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
     def run(argv: list[str]) -> int:
         import importlib
 
-        return getattr(importlib.import_module(module), func)(argv)
+        code: int = getattr(importlib.import_module(module), func)(argv)
+        return code
 
     return run
 

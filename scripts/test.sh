@@ -49,6 +49,11 @@ if ! command -v kubectl >/dev/null; then
        "components). Without it the Kubernetes tests skip (fail under CI=true)." >&2
 fi
 scripts/setup.sh dev,bench  # bench: Lightning, the reference of the overhead benchmark
+# Lint, format and types first (seconds; configured in pyproject.toml): a finding fails CI like a failing test.
+echo "test.sh: ruff check, ruff format --check, mypy" >&2
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
+.venv/bin/mypy
 # Three workers, one test file each: the Slurm, podman and netns files mostly wait on services and
 # subprocesses, so they overlap well with the CPU-bound torchrun tests (22 min instead of ~55 serially).
 exec .venv/bin/python -m pytest -n 3 --dist loadfile "$@"

@@ -114,7 +114,8 @@ def find_latest(run_dir: Path) -> Found | None:
 def load_state(found: Found) -> dict[str, Any]:
     path = found.path / STATE_FILE
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        return state
     except Exception as e:
         raise CheckpointLoadError(
             f"{path} verifies against its manifest but torch.load(weights_only=True) refused it "

@@ -104,20 +104,36 @@ def _check_args(classes: int, per_class: int, size: int, val_per_class: int, fmt
     if not 1 <= classes <= MAX_CLASSES:
         raise BadInput(
             f"make-data --classes {classes}: must be between 1 and {MAX_CLASSES} "
-            f"({len(SHAPES)} shapes x {len(COLOURS)} colours).", "pass --classes 10.", setting="--classes", value=classes,
+            f"({len(SHAPES)} shapes x {len(COLOURS)} colours).",
+            "pass --classes 10.",
+            setting="--classes",
+            value=classes,
         )
     if per_class < 1:
-        raise BadInput(f"make-data --per-class {per_class}: must be >= 1.", "pass --per-class 100.",
-                       setting="--per-class", value=per_class)
+        raise BadInput(
+            f"make-data --per-class {per_class}: must be >= 1.",
+            "pass --per-class 100.",
+            setting="--per-class",
+            value=per_class,
+        )
     if val_per_class < 1:
-        raise BadInput(f"make-data --val-per-class {val_per_class}: must be >= 1.", "pass --val-per-class 20.",
-                       setting="--val-per-class", value=val_per_class)
+        raise BadInput(
+            f"make-data --val-per-class {val_per_class}: must be >= 1.",
+            "pass --val-per-class 20.",
+            setting="--val-per-class",
+            value=val_per_class,
+        )
     if not 8 <= size <= 1024:
-        raise BadInput(f"make-data --size {size}: must be between 8 and 1024 pixels.", "pass --size 32.",
-                       setting="--size", value=size)
+        raise BadInput(
+            f"make-data --size {size}: must be between 8 and 1024 pixels.",
+            "pass --size 32.",
+            setting="--size",
+            value=size,
+        )
     if fmt not in ("png", "jpeg"):
-        raise BadInput(f"make-data --format {fmt!r}: must be 'png' or 'jpeg'.", "pass --format png.",
-                       setting="--format", value=fmt)
+        raise BadInput(
+            f"make-data --format {fmt!r}: must be 'png' or 'jpeg'.", "pass --format png.", setting="--format", value=fmt
+        )
 
 
 def make_dataset(
@@ -138,8 +154,15 @@ def make_dataset(
     if val_per_class is None:
         val_per_class = max(1, per_class // 4)
     _check_args(classes, per_class, size, val_per_class, fmt)
-    args = {"classes": classes, "per_class": per_class, "size": size, "seed": seed,
-            "val_per_class": val_per_class, "format": fmt, "version": _FORMAT_VERSION}
+    args = {
+        "classes": classes,
+        "per_class": per_class,
+        "size": size,
+        "seed": seed,
+        "val_per_class": val_per_class,
+        "format": fmt,
+        "version": _FORMAT_VERSION,
+    }
     if out.exists() or out.is_symlink():
         _check_existing(out, args)
         return
@@ -179,14 +202,20 @@ def _check_existing(out: Path, args: dict) -> None:
     except (OSError, ValueError):
         raise BadInput(
             f"make-data --out {out}: the directory exists but is not a complete make-data set "
-            f"(no readable {MANIFEST}).", "delete it or pass another --out.", setting="--out", value=out,
+            f"(no readable {MANIFEST}).",
+            "delete it or pass another --out.",
+            setting="--out",
+            value=out,
         ) from None
     if existing != args:
-        diff = ", ".join(f"{k}: {existing.get(k)!r} there, {v!r} asked"
-                         for k, v in args.items() if existing.get(k) != v)
+        diff = ", ".join(
+            f"{k}: {existing.get(k)!r} there, {v!r} asked" for k, v in args.items() if existing.get(k) != v
+        )
         raise BadInput(
             f"make-data --out {out}: already holds a set made with other arguments ({diff}).",
-            "delete it or pass another --out.", setting="--out", value=out,
+            "delete it or pass another --out.",
+            setting="--out",
+            value=out,
         )
 
 
@@ -214,8 +243,10 @@ def make_data_main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n_val = a.val_per_class if a.val_per_class is not None else max(1, a.per_class // 4)
-    print(f"make-data: {a.out}: {a.classes} classes, {a.classes * a.per_class} train and "
-          f"{a.classes * n_val} val images of {a.size}x{a.size} ({a.format})")
+    print(
+        f"make-data: {a.out}: {a.classes} classes, {a.classes * a.per_class} train and "
+        f"{a.classes * n_val} val images of {a.size}x{a.size} ({a.format})"
+    )
     return 0
 
 

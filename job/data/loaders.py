@@ -21,21 +21,22 @@ import functools
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2
 
 from job.config import DataConfig
 from job.data.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
-from job.errors import BadInput, DataStall, JobError
 from job.data.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
 from job.data.workers import WorkerTrackingLoader, init_error, init_worker, socket_tempdir_too_long
+from job.errors import BadInput, DataStall, JobError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -55,8 +56,7 @@ class DataLayout:
 
 
 def _make_data_hint(cfg: DataConfig) -> str:
-    return (f"ddp-job make-data --out {cfg.path} --classes {cfg.num_classes} --per-class 100 "
-            f"--size {cfg.image_size}")
+    return f"ddp-job make-data --out {cfg.path} --classes {cfg.num_classes} --per-class 100 --size {cfg.image_size}"
 
 
 def _list_dir(d: Path, what: str) -> list[os.DirEntry]:
@@ -64,8 +64,12 @@ def _list_dir(d: Path, what: str) -> list[os.DirEntry]:
         with os.scandir(d) as it:
             return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     except OSError as e:
-        raise BadInput(f"data.path: cannot read {what} {d} ({e.strerror}).", "check the path and its permissions.",
-                       setting="data.path", value=d) from None
+        raise BadInput(
+            f"data.path: cannot read {what} {d} ({e.strerror}).",
+            "check the path and its permissions.",
+            setting="data.path",
+            value=d,
+        ) from None
 
 
 def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str, int]]]:
@@ -75,7 +79,9 @@ def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str,
             f"data.path={cfg.path}: missing {d}/ (expected the ImageFolder layout "
             f"{cfg.path}/train/<class>/*.png and {cfg.path}/val/<class>/*.png).",
             f"point --data.path at such a root, or generate one with `{_make_data_hint(cfg)}`.",
-            setting="data.path", value=cfg.path)
+            setting="data.path",
+            value=cfg.path,
+        )
     classes = [e.name for e in _list_dir(d, "split folder") if e.is_dir()]
     if len(classes) != cfg.num_classes:
         shown = ", ".join(classes[:5]) + (", ..." if len(classes) > 5 else "")
@@ -85,16 +91,23 @@ def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str,
         raise BadInput(
             f"data.num_classes={cfg.num_classes} but {d} has {len(classes)} class folders ({shown}).",
             f"pass --data.num-classes {len(classes)}{at_least} or point --data.path at the right dataset.",
-            setting="data.num_classes", value=cfg.num_classes)
-    samples = []
+            setting="data.num_classes",
+            value=cfg.num_classes,
+        )
+    samples: list[tuple[str, int]] = []
     for label, name in enumerate(classes):
-        files = [e.path for e in _list_dir(d / name, "class folder")
-                 if e.name.lower().endswith(IMG_EXTENSIONS) and e.is_file()]
+        files = [
+            e.path
+            for e in _list_dir(d / name, "class folder")
+            if e.name.lower().endswith(IMG_EXTENSIONS) and e.is_file()
+        ]
         if not files:
             raise BadInput(
                 f"data.path: class folder {d / name} holds no image files ({', '.join(IMG_EXTENSIONS)}).",
                 f"add images to it or remove the folder from both {cfg.path}/train and {cfg.path}/val.",
-                setting="data.path", value=cfg.path)
+                setting="data.path",
+                value=cfg.path,
+            )
         samples.extend((f, label) for f in files)
     return classes, samples
 
@@ -113,7 +126,9 @@ def validate_data(cfg: DataConfig) -> DataLayout | None:
             f"data.path={cfg.path} {what}.",
             f"generate the demo dataset with `{_make_data_hint(cfg)}`, pass --data.path pointing at an "
             "ImageFolder root holding train/ and val/, or use --data.source synthetic.",
-            setting="data.path", value=cfg.path)
+            setting="data.path",
+            value=cfg.path,
+        )
     train_classes, train = _scan_split(cfg, "train")
     val_classes, val = _scan_split(cfg, "val")
     if train_classes != val_classes:
@@ -121,8 +136,11 @@ def validate_data(cfg: DataConfig) -> DataLayout | None:
         only_v = sorted(set(val_classes) - set(train_classes))
         raise BadInput(
             f"data.path={cfg.path}: train/ and val/ class folders differ (only in train: {only_t}, "
-            f"only in val: {only_v}).", "give both splits the same class folder names.",
-            setting="data.path", value=cfg.path)
+            f"only in val: {only_v}).",
+            "give both splits the same class folder names.",
+            setting="data.path",
+            value=cfg.path,
+        )
     return DataLayout(tuple(train_classes), tuple(train), tuple(val))
 
 
@@ -135,18 +153,19 @@ def decode(path: str) -> torch.Tensor:
         with Image.open(path) as im:
             array = np.asarray(im.convert("RGB"))
         return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
-    except Exception as e:  # noqa: BLE001 - PIL raises OSError, ValueError, DecompressionBombError, ...
+    except Exception as e:
         raise BadInput(
             f"data: cannot read image file {path} ({type(e).__name__}: {str(e).strip()[:200]}).",
             "delete or replace this file (it is truncated, corrupt or unreadable).",
-            setting="data.path", value=path) from None
+            setting="data.path",
+            value=path,
+        ) from None
 
 
 class ImageFiles(Dataset):
     """(path, label) list -> (uint8 CHW image, label); items are keyed by (epoch, index) pairs."""
 
-    def __init__(self, samples: tuple[tuple[str, int], ...], transform: v2.Transform | None,
-                 seed: int, random: bool):
+    def __init__(self, samples: tuple[tuple[str, int], ...], transform: v2.Transform | None, seed: int, random: bool):
         self.samples, self.transform, self.seed, self.random = samples, transform, seed, random
 
     def __len__(self) -> int:
@@ -183,8 +202,7 @@ def train_transform(size: int, augment: bool) -> v2.Transform:
     if not augment:
         return eval_transform(size)
     # scale >= 0.35 rather than ImageNet's 0.08: small generated images must keep their shape in view.
-    return v2.Compose([v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True),
-                       v2.RandomHorizontalFlip()])
+    return v2.Compose([v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()])
 
 
 def eval_transform(size: int) -> v2.Transform:
@@ -211,7 +229,8 @@ def collate(batch: list[tuple[torch.Tensor, int]] | WorkerFailure) -> Batch | Wo
         return WorkerFailure(failed_start)
     if isinstance(batch, WorkerFailure):
         return batch
-    return default_collate(batch)
+    images, labels = default_collate(batch)
+    return images, labels
 
 
 class CleanErrors:
@@ -238,15 +257,20 @@ class CleanErrors:
             if "DataLoader timed out" not in str(e):
                 raise
             timeout = self.loader.timeout
-            raise DataStall(f"{e}: the DataLoader workers delivered no batch within data.loader_timeout_s={timeout}.",
-                            "look for a worker traceback above, check the data path's storage, or raise the setting.",
-                            setting="data.loader_timeout_s", value=timeout) from None
+            raise DataStall(
+                f"{e}: the DataLoader workers delivered no batch within data.loader_timeout_s={timeout}.",
+                "look for a worker traceback above, check the data path's storage, or raise the setting.",
+                setting="data.loader_timeout_s",
+                value=timeout,
+            ) from None
 
 
 class TensorBatches:
     """Synthetic source: batches gathered from device-resident uint8 images by a sampler's indices."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, sampler: Sampler, batch_size: int):
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, sampler: ResumableSampler | ShardSampler, batch_size: int
+    ):
         self.images, self.labels, self.sampler, self.batch_size = images, labels, sampler, batch_size
 
     def __len__(self) -> int:
@@ -290,8 +314,9 @@ class Loaders:
             position.micro_batches_in_epoch = 0
 
 
-def check_train_size(cfg: DataConfig, layout: DataLayout | None, world_size: int, micro_batch_size: int,
-                     grad_accum_steps: int) -> None:
+def check_train_size(
+    cfg: DataConfig, layout: DataLayout | None, world_size: int, micro_batch_size: int, grad_accum_steps: int
+) -> None:
     """At least one global batch in the training set (``layout`` from validate_data; None: synthetic).
 
     Raises:
@@ -306,11 +331,21 @@ def check_train_size(cfg: DataConfig, layout: DataLayout | None, world_size: int
             f"{setting}={value}: the training set has {n} samples, fewer than one global batch "
             f"({sampler.accum} accumulation steps x {sampler.world_size} ranks x micro batch "
             f"{sampler.micro_batch_size} = {sampler.accum * sampler.row}).",
-            "lower --train.global-batch-size or use a larger training set.", setting=setting, value=value)
+            "lower --train.global-batch-size or use a larger training set.",
+            setting=setting,
+            value=value,
+        )
 
 
-def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: int, seed: int,
-                  device: torch.device, grad_accum_steps: int = 1) -> Loaders:
+def build_loaders(
+    cfg: DataConfig,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    seed: int,
+    device: torch.device,
+    grad_accum_steps: int = 1,
+) -> Loaders:
     """Train and val loaders of this rank (see the module docstring for order and determinism)."""
     if cfg.source == "synthetic":
         return _synthetic(cfg, rank, world_size, micro_batch_size, seed, device, grad_accum_steps)
@@ -321,26 +356,52 @@ def build_loaders(cfg: DataConfig, rank: int, world_size: int, micro_batch_size:
     kw: dict[str, Any] = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
         if socket_tempdir_too_long():
-            log.info("TMPDIR=%s is too long for the DataLoader workers' Unix sockets: they use a directory in /tmp",
-                     tempfile.gettempdir())
+            log.info(
+                "TMPDIR=%s is too long for the DataLoader workers' Unix sockets: they use a directory in /tmp",
+                tempfile.gettempdir(),
+            )
         # Workers ignore stop signals: torchrun signals each rank's whole process group, and a worker
         # killed by SIGTERM makes the DataLoader raise in the trainer before it can save (job.train.preempt).
-        kw.update(persistent_workers=True, prefetch_factor=cfg.prefetch_factor, worker_init_fn=init_worker,
-                  timeout=cfg.loader_timeout_s)
+        kw.update(
+            persistent_workers=True,
+            prefetch_factor=cfg.prefetch_factor,
+            worker_init_fn=init_worker,
+            timeout=cfg.loader_timeout_s,
+        )
     train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
-    train = WorkerTrackingLoader(train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
-                       collate_fn=collate, generator=torch.Generator().manual_seed(seed), **kw)
+    train = WorkerTrackingLoader(
+        train_ds,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed),
+        **kw,
+    )
     val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
     val_sampler = ShardSampler(len(val_ds), rank, world_size)
-    val = WorkerTrackingLoader(val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False,
-                     collate_fn=collate, generator=torch.Generator().manual_seed(seed), **kw)
+    val = WorkerTrackingLoader(
+        val_ds,
+        batch_size=micro_batch_size,
+        sampler=val_sampler,
+        drop_last=False,
+        collate_fn=collate,
+        generator=torch.Generator().manual_seed(seed),
+        **kw,
+    )
     r = val_sampler.indices
-    return Loaders(CleanErrors(train), sampler, CleanErrors(val),
-                   ValInfo(len(val_ds), r.start, r.stop, layout.classes))
+    return Loaders(CleanErrors(train), sampler, CleanErrors(val), ValInfo(len(val_ds), r.start, r.stop, layout.classes))
 
 
-def _synthetic(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: int, seed: int,
-               device: torch.device, grad_accum_steps: int) -> Loaders:
+def _synthetic(
+    cfg: DataConfig,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    seed: int,
+    device: torch.device,
+    grad_accum_steps: int,
+) -> Loaders:
     # Generated on the CPU from the seed (identical on every rank and device type), then moved once.
     g = torch.Generator().manual_seed(seed)
     shape = (3, cfg.image_size, cfg.image_size)
@@ -357,9 +418,12 @@ def _synthetic(cfg: DataConfig, rank: int, world_size: int, micro_batch_size: in
     val_sampler = ShardSampler(cfg.synthetic_val_size, rank, world_size)
     r = val_sampler.indices
     classes = tuple(f"class_{c:02d}" for c in range(cfg.num_classes))
-    return Loaders(TensorBatches(train_x, train_y, sampler, micro_batch_size), sampler,
-                   TensorBatches(val_x, val_y, val_sampler, micro_batch_size),
-                   ValInfo(cfg.synthetic_val_size, r.start, r.stop, classes))
+    return Loaders(
+        TensorBatches(train_x, train_y, sampler, micro_batch_size),
+        sampler,
+        TensorBatches(val_x, val_y, val_sampler, micro_batch_size),
+        ValInfo(cfg.synthetic_val_size, r.start, r.stop, classes),
+    )
 
 
 @functools.lru_cache(maxsize=8)

@@ -25,13 +25,11 @@ padding, no duplicates), so sums and counts all-reduced over ranks are exact.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
-
-from job.errors import BadInput
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -42,11 +40,21 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 class ResumableSampler(Sampler):
     """This rank's share of each epoch, as (epoch, index) pairs; layout in the module docstring."""
 
-    def __init__(self, num_samples: int, rank: int, world_size: int, micro_batch_size: int, seed: int,
-                 grad_accum_steps: int = 1, shuffle: bool = True):
+    def __init__(
+        self,
+        num_samples: int,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        seed: int,
+        grad_accum_steps: int = 1,
+        shuffle: bool = True,
+    ):
         if not 0 <= rank < world_size or micro_batch_size < 1 or grad_accum_steps < 1:
-            raise ValueError(f"bad sampler arguments rank={rank} world_size={world_size} "
-                             f"micro_batch_size={micro_batch_size} grad_accum_steps={grad_accum_steps}")
+            raise ValueError(
+                f"bad sampler arguments rank={rank} world_size={world_size} "
+                f"micro_batch_size={micro_batch_size} grad_accum_steps={grad_accum_steps}"
+            )
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         self.micro_batch_size, self.seed, self.accum, self.shuffle = micro_batch_size, seed, grad_accum_steps, shuffle
         self.row = world_size * micro_batch_size  # samples per micro-step over all ranks
@@ -72,13 +80,12 @@ class ResumableSampler(Sampler):
 
     def rank_batches(self, epoch: int) -> torch.Tensor:
         """[batches_per_epoch, micro_batch_size] dataset indices of this rank's micro-batches."""
-        rows = self.order(epoch)[: self.batches_per_epoch * self.row].view(-1, self.world_size,
-                                                                           self.micro_batch_size)
+        rows = self.order(epoch)[: self.batches_per_epoch * self.row].view(-1, self.world_size, self.micro_batch_size)
         return rows[:, self.rank]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         epoch = self.epoch
-        for batch in self.rank_batches(epoch)[self.start_batch:].tolist():
+        for batch in self.rank_batches(epoch)[self.start_batch :].tolist():
             for index in batch:
                 yield epoch, index
 

@@ -14,13 +14,14 @@ import shutil
 import signal
 import tempfile
 import weakref
+from typing import Any
 
 from torch.utils.data import DataLoader
 
 from job.errors import BadInput, JobError
 from job.train.preempt import ignore_stop_signals
 
-_WORKERS: "weakref.WeakSet[multiprocessing.process.BaseProcess]" = weakref.WeakSet()
+_WORKERS: weakref.WeakSet[multiprocessing.process.BaseProcess] = weakref.WeakSet()
 _INIT_ERROR: list[JobError] = []  # in a worker: why init_worker failed (sent with its first batch)
 
 
@@ -61,8 +62,14 @@ _SOCKET_NAME = len("/listener-12345678")  # multiprocessing.connection.arbitrary
 _TEMPDIR_NAME = len("/pymp-12345678")  # multiprocessing.util.get_temp_dir
 
 
+def _process_config() -> dict[str, Any]:
+    """multiprocessing's private per-process settings, where util.get_temp_dir keeps its directory."""
+    config: dict[str, Any] = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    return config
+
+
 def socket_tempdir_too_long() -> bool:
-    tempdir = multiprocessing.current_process()._config.get("tempdir")  # multiprocessing.util.get_temp_dir's
+    tempdir = _process_config().get("tempdir")  # multiprocessing.util.get_temp_dir's
     length = len(tempdir) if tempdir else len(tempfile.gettempdir()) + _TEMPDIR_NAME
     return length + _SOCKET_NAME > _SUN_PATH_MAX
 
@@ -86,15 +93,19 @@ def use_short_socket_tempdir() -> str | None:
             continue
         # Removed when this process exits through multiprocessing (a worker's normal end, also after its
         # trainer died: the workers' parent watchdog), like multiprocessing's own directory.
-        multiprocessing.util.Finalize(None, shutil.rmtree, args=(short,), kwargs={"ignore_errors": True},
-                                      exitpriority=-100)
-        multiprocessing.current_process()._config["tempdir"] = short
+        multiprocessing.util.Finalize(
+            None, shutil.rmtree, args=(short,), kwargs={"ignore_errors": True}, exitpriority=-100
+        )
+        _process_config()["tempdir"] = short
         return short
     limit = _SUN_PATH_MAX - _SOCKET_NAME - _TEMPDIR_NAME
-    raise BadInput(f"TMPDIR={tempfile.gettempdir()} is too long ({len(tempfile.gettempdir())} characters) for the "
-                   "DataLoader workers' Unix sockets, and /tmp, /var/tmp and /dev/shm are not writable.",
-                   f"set TMPDIR to a writable directory of at most {limit} characters, or --data.num-workers 0.",
-                   setting="TMPDIR", value=tempfile.gettempdir())
+    raise BadInput(
+        f"TMPDIR={tempfile.gettempdir()} is too long ({len(tempfile.gettempdir())} characters) for the "
+        "DataLoader workers' Unix sockets, and /tmp, /var/tmp and /dev/shm are not writable.",
+        f"set TMPDIR to a writable directory of at most {limit} characters, or --data.num-workers 0.",
+        setting="TMPDIR",
+        value=tempfile.gettempdir(),
+    )
 
 
 def init_worker(worker_id: int) -> None:

@@ -59,7 +59,7 @@ def versions() -> dict[str, str]:
             pass
         out["cudnn"] = str(torch.backends.cudnn.version())
         try:
-            v = torch._C._cuda_getDriverVersion()  # the CUDA version the driver supports, e.g. 12040
+            v = torch._C._cuda_getDriverVersion()  # type: ignore[attr-defined]  # the CUDA version the driver supports, e.g. 12040
             out["cuda_driver"] = f"{v // 1000}.{v % 1000 // 10}"
         except Exception:
             pass

@@ -37,7 +37,7 @@ from job.config import JobConfig, config_to_dict, flatten, load_config
 from job.config.plan import make_plan
 from job.doctor import checks as dc
 from job.doctor.checks import FAIL, ORDER, PASS, WARN, Check
-from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, DoctorFailed
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, DoctorFailed, JobError
 from job.launchers.env import DistEnv, detect_env
 from job.parallel import distributed
 
@@ -426,7 +426,7 @@ def _report_quick(merged: list[dict[str, Any]], env: DistEnv, local: LocalPhase)
 
 def _raise_failed(merged: list[dict[str, Any]]) -> NoReturn:
     fails = "\n  ".join(f"{m['line']} -- fix: {m['fix']}" for m in merged if m["status"] == FAIL)
-    error = DoctorFailed
+    error: type[JobError] = DoctorFailed
     if exit_code(merged) != EXIT_FAILURE:
         error = BadInput
     raise error(

@@ -387,6 +387,7 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
             )
         per_node = [world // nodes] * nodes
     if len(per_node) != nodes or sum(per_node) != world:
+        tpn_var = tpn_var or "SLURM_TASKS_PER_NODE"  # always set here: a derived list matches by construction
         raise BadInput(
             f"{tpn_var}={environ.get(tpn_var)!r} describes {len(per_node)} nodes / {sum(per_node)} tasks but "
             f"{nodes_var}={nodes} and {world_var}={world}.",

@@ -440,7 +440,7 @@ def job_exit_code(job: submitit.Job) -> int:
     """The worst exit code of a finished job's tasks: each task's result is its training exit code (a failed
     one records it, see ``_end_failed``). A task without a result died before it could: 1."""
     try:
-        return max(job.results())
+        return int(max(job.results()))
     except Exception as err:
         text = str(err).strip()
         last = text.splitlines()[-1] if text else repr(err)

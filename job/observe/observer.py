@@ -71,7 +71,7 @@ def train_flops_per_sample(model: nn.Module, image_size: int, device: torch.devi
             model(torch.zeros(1, 3, image_size, image_size, device=device))
     finally:
         model.train(was_training)
-    return 3.0 * counter.get_total_flops()
+    return 3.0 * float(counter.get_total_flops())
 
 
 def summarize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,7 @@ def apply_tf32(enabled: bool) -> None:
     torch's default of TF32 convolutions, so 'fp32' means the same in every layer."""
     precision = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined]  # not in torch's stubs
 
 
 class DataParallelBaseline(nn.DataParallel):
@@ -111,6 +112,10 @@ class CommCounter:
             return inner(inner_state, bucket)
 
         return counting_hook
+
+
+# The counter of each wrapped model that counts its all-reduce calls (ddp.comm_stats); weak: dies with the model.
+_COMM_COUNTERS: weakref.WeakKeyDictionary[nn.Module, CommCounter] = weakref.WeakKeyDictionary()
 
 
 def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
@@ -154,7 +159,7 @@ def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
     if d.comm_stats:
         counter = CommCounter()
         model.register_comm_hook(state, counter.hook(hook, state))
-        model.job_comm_counter = counter  # read by comm_summary()
+        _COMM_COUNTERS[model] = counter  # read by comm_summary()
     elif d.comm_hook != "none":  # no hook = DDP's built-in C++ all-reduce (the fastest plain path)
         model.register_comm_hook(state, hook)
     return model
@@ -200,7 +205,7 @@ def settle_buckets(model: DDP, image_size: int, device: torch.device) -> None:
 
 def comm_summary(model: nn.Module, grad_accum_steps: int) -> str | None:
     """One log line with the counted all-reduce calls per optimizer step (``ddp.comm_stats``), else None."""
-    counter: CommCounter | None = getattr(model, "job_comm_counter", None)
+    counter = _COMM_COUNTERS.get(model)
     if counter is None:
         return None
     return (
