@@ -245,6 +245,27 @@ def test_keep_last_never_deletes_the_only_valid_checkpoint(tmp_path: Path) -> No
     assert not (tmp_path / "step-0000001").exists()
 
 
+def test_an_interrupted_prune_leaves_no_torn_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill in the middle of deleting an old checkpoint: what is left is a .tmp- directory that the next
+    start removes, never a half-deleted step-* directory among the checkpoints."""
+    save(tmp_path, 1, keep_last=10)
+    save(tmp_path, 2, keep_last=10)
+
+    def killed_midway(path: Path, ignore_errors: bool = False) -> None:
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()  # one file gone, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.CheckpointManager(tmp_path, 1, False, True).prune()
+    monkeypatch.undo()
+    assert [s for s, _ in ckpt.scan(tmp_path)] == [2]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("step-0000001")]
+    assert len(leftovers) == 1 and ".tmp-" in leftovers[0], leftovers
+    ckpt.CheckpointManager(tmp_path, 1, False, True).clean_stale_tmp()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000002"]
+
+
 def test_a_corrupted_checkpoint_of_the_same_step_is_replaced(tmp_path: Path) -> None:
     """Resume fell back past a corrupted step-4; training reaches step 4 again: the new save must win."""
     save(tmp_path, 4, seed=100)

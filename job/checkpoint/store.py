@@ -213,6 +213,17 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _delete(path: Path) -> None:
+    """Rename out of the checkpoint namespace first (atomic), then delete: a kill mid-delete leaves a
+    ``.tmp-`` directory that the next start removes, never a torn ``step-*`` directory beside the good ones."""
+    doomed = path.with_name(f"{path.name}.tmp-pruned-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 class CheckpointManager:
     """Saves (rank 0 only), prunes to the newest ``keep_last`` valid checkpoints, finds the latest."""
 
@@ -228,7 +239,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._staging = HostStaging() if async_save and is_main else None
 
-    def clean_stale_tmp(self) -> None:
+    def clean_stale_tmp(self) -> None:  # also pruned checkpoints whose deletion was interrupted (_delete)
         """Remove torn saves left by a crash (never valid, never loaded)."""
         if self.is_main and self.run_dir.is_dir():
             for p in self.run_dir.glob("step-*.tmp-*"):
@@ -299,7 +310,7 @@ class CheckpointManager:
         valid = 0
         for _step, path in scan(self.run_dir):
             if valid >= self.keep_last:
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
                 continue
             ok = path == just_written or verify(path)[0]
             valid += ok
