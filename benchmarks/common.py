@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from job.launchers.env import LAUNCHER_VAR_PREFIXES
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -61,18 +63,7 @@ def emit(name: str, result: dict[str, Any]) -> None:
 
 def child_env(tmp: Path, **extra: str) -> dict[str, str]:
     """A clean environment for a job subprocess (no inherited launcher/JOB_* variables), TMPDIR under ``tmp``."""
-    drop = (
-        "JOB_",
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_",
-        "TORCHELASTIC",
-        "SLURM_",
-        "PET_",
-        "GROUP_",
-    )
+    drop = ("JOB_", *LAUNCHER_VAR_PREFIXES)
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     (tmp / "tmp").mkdir(parents=True, exist_ok=True)
     env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp / "tmp"), PYTHONPATH=str(ROOT))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from job.launchers.env import LAUNCHER_VAR_PREFIXES
+
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI") == "true"
 
@@ -45,20 +47,28 @@ def dev_tool(name: str, package: str) -> str:
     return str(path)
 
 
+# The smallest real run: synthetic 16-pixel images, 4 classes, resnet18, no loader workers.
+TINY_SYNTHETIC = [
+    "--data.source",
+    "synthetic",
+    "--data.num-classes",
+    "4",
+    "--data.image-size",
+    "16",
+    "--data.synthetic-train-size",
+    "64",
+    "--data.synthetic-val-size",
+    "8",
+    "--data.num-workers",
+    "0",
+    "--model.name",
+    "resnet18",
+]
+
+
 def base_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
     """A clean environment for a job subprocess: no inherited launcher/JOB_* variables."""
-    drop = (
-        "JOB_",
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_",
-        "TORCHELASTIC",
-        "SLURM_",
-        "PET_",
-        "GROUP_",
-    )
+    drop = ("JOB_", *LAUNCHER_VAR_PREFIXES)
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")

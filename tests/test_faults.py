@@ -30,6 +30,8 @@ import pytest
 import torch
 from conftest import ROOT, base_env, bin_path, make_data, require
 
+from job.launchers.env import LAUNCHER_VAR_PREFIXES
+
 STEPS = 10  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
 
 
@@ -604,11 +606,7 @@ def test_bad_input_exits_2_naming_the_setting(
     elif setup is not None:
         setup(tmp_path, tiny_data)
     before = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) if run_dir.exists() else None
-    for k in [
-        k
-        for k in os.environ
-        if k.startswith(("JOB_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "SLURM_", "PET_"))
-    ]:
+    for k in [k for k in os.environ if k.startswith(("JOB_", *LAUNCHER_VAR_PREFIXES))]:
         monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import make_data, rank_pids, require, tfevents_writer
 
+from job.launchers.env import LAUNCHER_VAR_PREFIXES
+
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,18 +67,7 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         need(f"tests/infra/slurm-cluster.sh start failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     timing("cluster start (install if needed + daemons + nodes idle)", time.monotonic() - t0)
     tmp = tmp_path_factory.mktemp("slurm-tmp")
-    drop = (
-        "JOB_",
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_",
-        "TORCHELASTIC",
-        "SLURM_",
-        "PET_",
-        "SUBMITIT_",
-    )
+    drop = ("JOB_", *LAUNCHER_VAR_PREFIXES)
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(
         OMP_NUM_THREADS="1",

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TINY_SYNTHETIC
 from torch import nn
 
 from job.config import load_config
@@ -25,20 +26,7 @@ from job.train.parts import Parts, build_parts
 from job.train.step import TrainState, train_step
 
 ARGS = [
-    "--data.source",
-    "synthetic",
-    "--data.num-classes",
-    "4",
-    "--data.image-size",
-    "16",
-    "--data.synthetic-train-size",
-    "64",
-    "--data.synthetic-val-size",
-    "8",
-    "--data.num-workers",
-    "0",
-    "--model.name",
-    "resnet18",
+    *TINY_SYNTHETIC,
     "--model.norm",
     "group",
     "--optim.name",

@@ -10,24 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import TINY_SYNTHETIC
+
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 from job.launchers import stop
 
 TINY = [
-    "--data.source",
-    "synthetic",
-    "--data.num-classes",
-    "4",
-    "--data.image-size",
-    "16",
-    "--data.synthetic-train-size",
-    "64",
-    "--data.synthetic-val-size",
-    "8",
-    "--data.num-workers",
-    "0",
-    "--model.name",
-    "resnet18",
+    *TINY_SYNTHETIC,
     "--train.global-batch-size",
     "8",
     "--train.steps",

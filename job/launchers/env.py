@@ -35,6 +35,20 @@ LAUNCHERS = ("torchrun", "env", "kubeflow", "slurm", "single")
 # is fine: those are never used in the same Slurm job.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 9000  # ports 20000..28999
+# What a launcher sets in its children's environment (torchrun, Slurm, submitit, the Kubeflow operators). A
+# fresh job started from inside another (a test, a benchmark) must drop them, or it would join that job.
+LAUNCHER_VAR_PREFIXES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_",
+    "MASTER_",
+    "TORCHELASTIC",
+    "SLURM_",
+    "SUBMITIT_",
+    "PET_",
+)
 SINGLE_PORT = 29500  # unused by a world of one (the distributed module uses an in-memory store)
 
 
