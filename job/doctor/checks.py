@@ -149,6 +149,39 @@ def _retry(what: Callable[[], Any], deadline: float, pause: float = 0.25) -> tup
             pause = min(pause * 2, 2.0)
 
 
+def _check_store_host(where: str, port: int, family: socket.AddressFamily, addr: str, addrs: list[str]) -> Check:
+    """Rank 0 outside torchrun opens the store itself: the port must be free here, MASTER_ADDR one of ours."""
+    try:  # the store listens on all interfaces at MASTER_PORT, as TCPStore does
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("", port))
+    except OSError as e:
+        return Check(
+            "rendezvous",
+            FAIL,
+            f"{where}: rank 0 cannot open the rendezvous store on port {port} ({e.strerror})",
+            "pick a free MASTER_PORT (another job or a stale process holds this one)",
+        )
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        return Check(
+            "rendezvous",
+            WARN,
+            f"{where} resolves to {addr}, not an address of this host where rank 0 runs",
+            "fine if MASTER_ADDR forwards to this host (a Service); otherwise run rank 0 on MASTER_ADDR's host",
+        )
+    return Check(
+        "rendezvous",
+        PASS,
+        f"{where} resolves to {', '.join(addrs)}; port free for rank 0's store",
+        data={"addrs": addrs},
+    )
+
+
 def check_rendezvous(env: DistEnv, timeout_s: float, hosts_store: bool) -> Check:
     """MASTER_ADDR resolves and MASTER_PORT answers, retried for ``timeout_s``. Runs before the process group:
     init_process_group itself would block on a dead endpoint for the whole init timeout.
@@ -170,36 +203,7 @@ def check_rendezvous(env: DistEnv, timeout_s: float, hosts_store: bool) -> Check
         )
     addrs = sorted({i[4][0] for i in infos})
     if hosts_store:
-        family, addr = infos[0][0], infos[0][4][0]
-        try:  # the store listens on all interfaces at MASTER_PORT, as TCPStore does
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("", port))
-        except OSError as e:
-            return Check(
-                "rendezvous",
-                FAIL,
-                f"{where}: rank 0 cannot open the rendezvous store on port {port} ({e.strerror})",
-                "pick a free MASTER_PORT (another job or a stale process holds this one)",
-            )
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr, 0))
-        except OSError as e:
-            if e.errno != errno.EADDRNOTAVAIL:
-                raise
-            return Check(
-                "rendezvous",
-                WARN,
-                f"{where} resolves to {addr}, not an address of this host where rank 0 runs",
-                "fine if MASTER_ADDR forwards to this host (a Service); otherwise run rank 0 on MASTER_ADDR's host",
-            )
-        return Check(
-            "rendezvous",
-            PASS,
-            f"{where} resolves to {', '.join(addrs)}; port free for rank 0's store",
-            data={"addrs": addrs},
-        )
+        return _check_store_host(where, port, infos[0][0], infos[0][4][0], addrs)
 
     def connect() -> None:
         with socket.create_connection((host, port), timeout=max(0.5, min(5.0, deadline - time.monotonic()))):

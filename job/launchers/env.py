@@ -374,16 +374,14 @@ def _is_slurm_step(environ: Mapping[str, str]) -> bool:
     return _first(environ, "SLURM_STEP_ID", "SLURM_STEPID") is not None and "SLURM_PROCID" in environ
 
 
-def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
-    fix = "srun sets this for every task; launch one task per process with `srun ... ddp-job train` and do not override SLURM_*."
-    world_var = _first(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") or "SLURM_NTASKS"
-    world = _int(environ, world_var, minimum=1, fix=fix)
-    node_rank = _int(environ, "SLURM_NODEID", fix=fix)
+def _slurm_tasks_per_node(
+    environ: Mapping[str, str], world_var: str, world: int, fix: str
+) -> tuple[list[int], str, str | None]:
+    """Tasks on each node of the step, the variable that gave them, and the node-count variable."""
     tpn_var = _first(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
     nodes_var = _first(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
-    if tpn_var is None:
-        per_node = None
-    else:
+    per_node = None
+    if tpn_var is not None:
         try:
             per_node = parse_slurm_tasks_per_node(environ[tpn_var])
         except ValueError as e:
@@ -391,7 +389,7 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
                 f"{tpn_var}={environ[tpn_var]!r}: {e}.", fix, setting=tpn_var, value=environ[tpn_var]
             ) from None
     nodes = _int(environ, nodes_var, minimum=1, fix=fix) if nodes_var else len(per_node or [1])
-    if per_node is None:
+    if tpn_var is None or per_node is None:
         if world % nodes:
             raise BadInput(
                 f"SLURM_TASKS_PER_NODE is not set and {world_var}={world} is not a multiple of {nodes_var}={nodes}.",
@@ -399,17 +397,20 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
                 setting=world_var,
                 value=world,
             )
-        per_node = [world // nodes] * nodes
+        return [world // nodes] * nodes, "SLURM_TASKS_PER_NODE", nodes_var
     if len(per_node) != nodes or sum(per_node) != world:
-        tpn_var = tpn_var or "SLURM_TASKS_PER_NODE"  # always set here: a derived list matches by construction
         raise BadInput(
-            f"{tpn_var}={environ.get(tpn_var)!r} describes {len(per_node)} nodes / {sum(per_node)} tasks but "
+            f"{tpn_var}={environ[tpn_var]!r} describes {len(per_node)} nodes / {sum(per_node)} tasks but "
             f"{nodes_var}={nodes} and {world_var}={world}.",
             fix,
             setting=tpn_var,
-            value=environ.get(tpn_var),
+            value=environ[tpn_var],
         )
-    local_world = per_node[node_rank] if node_rank < nodes else 0
+    return per_node, tpn_var, nodes_var
+
+
+def _slurm_master(environ: Mapping[str, str]) -> tuple[str, int]:
+    """MASTER_ADDR/PORT as exported, else the step's first node and the job's port (slurm_master_port)."""
     if "MASTER_ADDR" in environ:
         master_addr = environ["MASTER_ADDR"]
     else:
@@ -430,16 +431,24 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
                 value=environ[list_var],
             ) from None
     if "MASTER_PORT" in environ:
-        master_port = _port(environ, "MASTER_PORT")
-    else:
-        job_var = _first(environ, "SLURM_JOB_ID", "SLURM_JOBID")
-        if job_var is None:
-            raise BadInput(
-                "neither MASTER_PORT nor SLURM_JOB_ID is set in an srun step.",
-                "export MASTER_PORT.",
-                setting="MASTER_PORT",
-            )
-        master_port = slurm_master_port(environ[job_var])
+        return master_addr, _port(environ, "MASTER_PORT")
+    job_var = _first(environ, "SLURM_JOB_ID", "SLURM_JOBID")
+    if job_var is None:
+        raise BadInput(
+            "neither MASTER_PORT nor SLURM_JOB_ID is set in an srun step.", "export MASTER_PORT.", setting="MASTER_PORT"
+        )
+    return master_addr, slurm_master_port(environ[job_var])
+
+
+def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
+    fix = "srun sets this for every task; launch one task per process with `srun ... ddp-job train` and do not override SLURM_*."
+    world_var = _first(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") or "SLURM_NTASKS"
+    world = _int(environ, world_var, minimum=1, fix=fix)
+    node_rank = _int(environ, "SLURM_NODEID", fix=fix)
+    per_node, tpn_var, nodes_var = _slurm_tasks_per_node(environ, world_var, world, fix)
+    nodes = len(per_node)
+    local_world = per_node[node_rank] if node_rank < nodes else 0
+    master_addr, master_port = _slurm_master(environ)
     env = DistEnv(
         rank=_int(environ, "SLURM_PROCID", fix=fix),
         local_rank=_int(environ, "SLURM_LOCALID", fix=fix),
