@@ -20,6 +20,7 @@ import pytest
 from job.errors import BadInput
 from job.launchers.env import (
     DETECTION_ORDER,
+    LAUNCHER_VAR_PREFIXES,
     SLURM_PORT_BASE,
     SLURM_PORT_SPAN,
     DistEnv,
@@ -497,10 +498,8 @@ def test_real_torchrun_workers(tmp_path: Path) -> None:
     torch in the workers, so it takes about as long as the agent's start (~5-10 s here)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VAR_PREFIXES)}
     env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
         env=env,
