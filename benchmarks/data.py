@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from benchmarks import common, decode
 
 
 def loader_rate(path: Path, workers: int, batch: int, size: int, batches: int) -> float:
@@ -61,6 +61,12 @@ def trainer_scalar(tmp: Path, tag: str, name: str, source: str, data: Path, a: A
     return statistics.median(values)
 
 
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")  # the GPU comparison is benchmarks/gpu_run.sh's
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="ddp-job bench data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -74,6 +80,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--per-class", type=int, default=None)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--decode-size", type=int, default=None, help="JPEG size of the decode comparison (default 320)")
+    p.add_argument("--decode-crop", type=int, default=None, help="its crop size (default 224)")
     a = p.parse_args(argv)
     from job.config import DataConfig
 
@@ -115,6 +123,10 @@ def main(argv: list[str]) -> int:
                 rates[w].append(loader_rate(data, w, a.batch, a.size, batches))
             consume.append(trainer_scalar(tmp, "perf/samples_per_s", f"synthetic-{rep}", "synthetic", data, a, warmup))
             wait.append(trainer_scalar(tmp, "perf/data_wait_frac", f"jpeg-{rep}", "imagefolder", data, a, warmup))
+        decode_size, decode_crop = a.decode_size or (48 if q else 320), a.decode_crop or (32 if q else 224)
+        paths = decode.compare(
+            tmp, decode_size, decode_crop, a.batch, a.default_workers, max(a.reps, 1 if q else 5), batches, _cpu()
+        )
     stats = {w: common.median_spread(v) for w, v in rates.items()}
     cons = common.median_spread(consume)
     ratio = common.median_spread(r / c for r, c in zip(rates[a.default_workers], consume))
@@ -136,6 +148,7 @@ def main(argv: list[str]) -> int:
         ["measure", "median [min-max]"],
         rows,
     )
+    decode.report(paths, decode_size, decode_crop, a.batch, a.default_workers, _cpu())
     goals = {"loader_ge_1_2x": ratio["median"] >= 1.2, "data_wait_lt_5pct": waits["median"] < 0.05}
     print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
     common.emit(
@@ -147,6 +160,7 @@ def main(argv: list[str]) -> int:
             "consumption_img_s": cons,
             "ratio_at_default": ratio,
             "data_wait_frac": waits,
+            "decode_paths": paths,
             "goals": goals,
             "config": {"size": a.size, "batch": a.batch, "model": a.model, "steps": a.steps, "reps": a.reps},
         },

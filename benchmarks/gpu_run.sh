@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 8 GPU benchmarks: ONE prepared command, at most ~8 minutes on one H200. Results (JSON lines + logs)
+# GPU benchmarks: ONE prepared command, at most ~8 minutes on one H200. Results (JSON lines + logs)
 # go to $OUT (default /tmp/bench-gpu); it refuses on a machine without a CUDA GPU.
 #   bash benchmarks/gpu_run.sh
-# 1. scaling: ResNet-50 bf16 channels_last, compile off/on, batch 128..512, images/s + MFU   (~3.5 min)
+# 1. scaling: ResNet-50 bf16 channels_last, compile off/on, batch 128,256,512, images/s + MFU (~3 min)
 # 2. overhead: ddp-job train vs bare DDP loop (vs Lightning if installed), 1 GPU, ResNet-50 bf16 CL (~1.5 min)
-# 3. data: the trainer on synthetic data vs decoded JPEGs (ImageFolder, 8 workers), img/s + data-wait (~1.5 min)
+# 3. data: the trainer on synthetic data vs decoded JPEGs, decoded by 8 workers (data.decode=cpu) and on the
+#    GPU (data.decode=gpu), img/s and each over synthetic (goal >= 0.95 with gpu)                    (~2.5 min)
 # Needs the project's venv with the CUDA build of torch (.venv, or PYTHON=...); the machine has no network.
 # Kept separate from benchmarks/gpu_check_efficiency.sh, same conventions ($OUT, TMPDIR, timeouts).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/bench-gpu}
 mkdir -p "$OUT/tmp"
 export TMPDIR="$OUT/tmp"
@@ -27,18 +28,21 @@ step() {  # name timeout args...
   echo "$name rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
   tail -n 1 "$OUT/$name.log" >> "$OUT/results.jsonl"
 }
-step scaling 220 --batches 128,256,384,512 --compile both --steps 20
+step scaling 180 --batches 128,256,512 --compile both --steps 20
 step overhead 100 --nprocs 1 --reps 1 --steps 60 --warmup 15 --log-every 5 --model resnet50 --image-size 224 \
   --batch 256 --precision bf16 --channels-last --lightning auto
-# data: synthetic vs decoded real data through the trainer (JPEG 224 px ImageFolder, 8 workers)
+# data: synthetic vs decoded real data through the trainer (JPEG 256 px -> 224 px crops), both decode paths
 "$PY" -m job make-data --out "$OUT/data" --classes 10 --per-class 300 --size 256 --format jpeg > "$OUT/make_data.log" 2>&1
-for src in synthetic imagefolder; do
-  timeout 60 "$PY" -m job train --run.output-dir "$OUT/runs" --run.name "data-$src" --data.source "$src" \
-    --data.path "$OUT/data" --data.num-classes 10 --data.image-size 224 --data.num-workers 8 --model.name resnet50 \
-    --model.channels-last true --train.precision bf16 --train.steps 40 --train.global-batch-size 256 \
-    --ckpt.every 0 --log.every 5 --log.progress off > "$OUT/data-$src.log" 2>&1
-  echo "data-$src rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+for run in synthetic:synthetic:cpu imagefolder:cpu:cpu imagefolder:gpu:gpu; do
+  IFS=: read -r src decode name <<< "$run"
+  timeout 50 "$PY" -m job train --run.output-dir "$OUT/runs" --run.name "data-$name" --data.source "$src" \
+    --data.decode "$decode" --data.path "$OUT/data" --data.num-classes 10 --data.image-size 224 \
+    --data.num-workers 8 --model.name resnet50 --model.channels-last true --train.precision bf16 \
+    --train.steps 30 --train.global-batch-size 256 --ckpt.every 0 --log.every 5 --log.progress off \
+    > "$OUT/data-$name.log" 2>&1
+  echo "data-$name rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 done
+"$PY" -m benchmarks.decode "$OUT/runs" 10 >> "$OUT/results.jsonl" 2>> "$OUT/summary.txt"
 grep -h "samples/s" "$OUT"/data-*.log | tail -8 >> "$OUT/summary.txt"
 rm -rf "$OUT/tmp" "$OUT/data" "$OUT/runs"/*/step-*  # keep logs, TensorBoard events and results, not checkpoints
 cat "$OUT/summary.txt" "$OUT/results.jsonl"

@@ -106,6 +106,9 @@ def test_data_quick(tmp_path):
         out["ratio_at_default"]["median"], out["loader_img_s"][d]["median"] / out["consumption_img_s"]["median"]
     )
     assert 0 <= out["data_wait_frac"]["median"] <= 1
+    paths = out["decode_paths"]
+    assert paths["cpu"]["median"] > 0 and paths["device"]["median"] > 0
+    assert paths["ratio"]["n"] == paths["cpu"]["n"] >= 1
 
 
 def test_scaling_refuses_without_gpu(tmp_path):

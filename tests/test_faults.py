@@ -511,6 +511,8 @@ BAD_INPUTS = [
         "model.norm",
     ),
     ("env-unknown-section", [], {"JOB_OPTIMX__LR": "0.1"}, None, "JOB_OPTIMX__LR"),
+    ("decode-gpu-without-cuda", ["--data.decode", "gpu"], {}, None, "data.decode=gpu: CUDA is not available"),
+    ("decode-device-not-jpeg", ["--data.decode", "device"], {}, None, ".png is not a JPEG file"),
     ("config-is-a-directory", ["--config", "{tmp}"], {}, None, "is a directory"),
     ("data-classes-mismatch", ["--data.num-classes", "5"], {}, None, "data.num_classes"),
     (

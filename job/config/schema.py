@@ -91,6 +91,11 @@ class DataConfig(BaseModel):
     """Fail (instead of hanging) when DataLoader workers deliver no batch for this long; 0 waits forever."""
     device_prefetch: bool = True
     """Copy the next batch to the GPU on a side CUDA stream while this one computes (no-op on CPU)."""
+    decode: Literal["auto", "cpu", "gpu", "device"] = "auto"
+    """Where image files are decoded and augmented. cpu: PIL in the DataLoader workers. gpu: the workers only read
+    the JPEG bytes and draw each sample's crop and flip; the batch is decoded (nvJPEG, through torchcodec) and
+    cropped, resized and flipped on the GPU (needs CUDA). device: that path on whichever device trains, CPU
+    included. auto: gpu with CUDA, torchcodec and an all-JPEG dataset, else cpu; the log says which and why."""
 
 
 class ModelConfig(BaseModel):

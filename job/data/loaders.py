@@ -33,9 +33,12 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2
 
 from job.config import DataConfig
+from job.data import device_decode
+from job.data.augment import eval_transform, train_transform
 from job.data.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
+from job.data.device_decode import EncodedBatch, EncodedFiles, collate_encoded, decode_batch
 from job.data.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
-from job.data.workers import WorkerTrackingLoader, init_error, init_worker, socket_tempdir_too_long
+from job.data.workers import WorkerFailure, WorkerTrackingLoader, init_error, init_worker, socket_tempdir_too_long
 from job.errors import BadInput, DataStall, JobError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -198,30 +201,7 @@ class ImageFiles(Dataset):
             gen.set_state(state)
 
 
-def train_transform(size: int, augment: bool) -> v2.Transform:
-    if not augment:
-        return eval_transform(size)
-    # scale >= 0.35 rather than ImageNet's 0.08: small generated images must keep their shape in view.
-    return v2.Compose([v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()])
-
-
-def eval_transform(size: int) -> v2.Transform:
-    return v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
-
-
 # ---------------------------------------------------------------------------------------- loaders
-class WorkerFailure:
-    """A batch that could not be made: carries our error from a DataLoader worker to the trainer whole.
-
-    Raised in a worker, the error would reach the trainer rebuilt by torch as ``type(err)(traceback text)``
-    (torch/utils/_utils.py ``ExceptionWrapper.reraise``): its fix, setting and value lost in text. Returned
-    as this batch instead (pickled with its attributes), ``CleanErrors`` raises it in the trainer as it was.
-    """
-
-    def __init__(self, error: JobError) -> None:
-        self.error = error
-
-
 def collate(batch: list[tuple[torch.Tensor, int]] | WorkerFailure) -> Batch | WorkerFailure:
     """DataLoader ``collate_fn``: default_collate, passing failures (a sample's, the worker start's) on."""
     failed_start = init_error()
@@ -296,6 +276,7 @@ class Loaders:
     train_sampler: ResumableSampler
     val: Any  # iterable of this rank's validation batches (last may be short; may be empty)
     val_info: ValInfo
+    decodes_on_device: bool = False  # batches are EncodedBatch: to_device decodes them (job.data.device_decode)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -368,29 +349,49 @@ def build_loaders(
             worker_init_fn=init_worker,
             timeout=cfg.loader_timeout_s,
         )
-    train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
+    on_device = _decodes_on_device(cfg, layout, device, rank)
+    if on_device:
+        train_ds: Dataset = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
+        val_ds: Dataset = EncodedFiles(layout.val, cfg.image_size, seed, random=False)
+        kw["collate_fn"] = collate_encoded
+    else:
+        train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
+        val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
+        kw["collate_fn"] = collate
     train = WorkerTrackingLoader(
-        train_ds,
-        batch_size=micro_batch_size,
-        sampler=sampler,
-        drop_last=True,
-        collate_fn=collate,
-        generator=torch.Generator().manual_seed(seed),
-        **kw,
+        train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=_generator(seed), **kw
     )
-    val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
-    val_sampler = ShardSampler(len(val_ds), rank, world_size)
+    val_sampler = ShardSampler(len(layout.val), rank, world_size)
     val = WorkerTrackingLoader(
-        val_ds,
-        batch_size=micro_batch_size,
-        sampler=val_sampler,
-        drop_last=False,
-        collate_fn=collate,
-        generator=torch.Generator().manual_seed(seed),
-        **kw,
+        val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False, generator=_generator(seed), **kw
     )
     r = val_sampler.indices
-    return Loaders(CleanErrors(train), sampler, CleanErrors(val), ValInfo(len(val_ds), r.start, r.stop, layout.classes))
+    info = ValInfo(len(layout.val), r.start, r.stop, layout.classes)
+    return Loaders(CleanErrors(train), sampler, CleanErrors(val), info, decodes_on_device=on_device)
+
+
+def _generator(seed: int) -> torch.Generator:
+    # One per loader: DataLoader draws a worker base seed from it on every iter(), which would otherwise
+    # advance the main process's global RNG (or the other loader's) and break exact resume.
+    return torch.Generator().manual_seed(seed)
+
+
+def decode_choice(cfg: DataConfig, layout: DataLayout | None, cuda: bool) -> device_decode.DecodeChoice:
+    """Where this run decodes (job.data.device_decode.choose_decode); BadInput where data.decode cannot be met."""
+    files: list[str] = []
+    if layout is not None:
+        files = [path for path, _ in layout.train + layout.val]
+    return device_decode.choose_decode(cfg, files, cuda, device_decode.has_torchcodec())
+
+
+def _decodes_on_device(cfg: DataConfig, layout: DataLayout, device: torch.device, rank: int) -> bool:
+    choice = decode_choice(cfg, layout, device.type == "cuda")
+    if rank == 0:
+        where = "the workers (PIL)"
+        if choice.on_device:
+            where = f"{device.type} (torchcodec)"
+        log.info("data: decoding on %s: %s", where, choice.reason)
+    return choice.on_device
 
 
 def _synthetic(
@@ -433,9 +434,13 @@ def _norm_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.to(device), inv_std.to(device)
 
 
-def to_device(batch: Batch, device: torch.device, channels_last: bool = False) -> Batch:
-    """uint8 images -> normalised float32 on ``device`` (non-blocking copies; pinned on CUDA)."""
-    images, labels = batch
+def to_device(batch: Batch | EncodedBatch, device: torch.device, channels_last: bool = False) -> Batch:
+    """uint8 images -> normalised float32 on ``device`` (non-blocking copies; pinned on CUDA). Encoded
+    batches (``data.decode=gpu``/``device``) are decoded and cropped on ``device`` first."""
+    if isinstance(batch, EncodedBatch):
+        images, labels = decode_batch(batch, device), batch.labels
+    else:
+        images, labels = batch
     images = images.to(device, non_blocking=True)
     labels = labels.to(device, non_blocking=True)
     if channels_last:  # on the uint8 tensor: a quarter of the bytes to reorder

@@ -68,4 +68,6 @@ def wrap_loaders(loaders: Any, device: torch.device, enabled: bool, channels_las
 
     if not enabled or device.type != "cuda" or isinstance(loaders.train, TensorBatches):
         return loaders  # the synthetic source keeps its images on the device already
+    if loaders.decodes_on_device:
+        return loaders  # encoded bytes: the decoder reads them from pinned host memory itself
     return dataclasses.replace(loaders, train=DevicePrefetcher(loaders.train, device, channels_last))

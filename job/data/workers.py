@@ -128,3 +128,15 @@ def init_error() -> JobError | None:
     if _INIT_ERROR:
         return _INIT_ERROR[0]
     return None
+
+
+class WorkerFailure:
+    """A batch that could not be made: carries our error from a DataLoader worker to the trainer whole.
+
+    Raised in a worker, the error would reach the trainer rebuilt by torch as ``type(err)(traceback text)``
+    (torch/utils/_utils.py ``ExceptionWrapper.reraise``): its fix, setting and value lost in text. Returned
+    as this batch instead (pickled with its attributes), ``CleanErrors`` raises it in the trainer as it was.
+    """
+
+    def __init__(self, error: JobError) -> None:
+        self.error = error

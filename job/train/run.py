@@ -26,7 +26,7 @@ from job.checkpoint.resume import agree_on_checkpoint, find_resume
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
-from job.data.loaders import check_train_size, validate_data
+from job.data.loaders import check_train_size, decode_choice, validate_data
 from job.doctor import run as doctor
 from job.errors import EXIT_PREEMPTED, BadInput
 from job.launchers.env import DistEnv, detect_env
@@ -67,6 +67,7 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
         )
     layout = validate_data(cfg.data)
     check_train_size(cfg.data, layout, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
+    decode_choice(cfg.data, layout, torch.cuda.is_available())
     run_dir = cfg.run_dir
     existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
     if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):

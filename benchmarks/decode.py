@@ -1,0 +1,107 @@
+"""Decode paths side by side (part of ``ddp-job bench data``): images/s delivered to the trainer as normalised
+float batches on the training device, decoding in the DataLoader workers (``data.decode=cpu``: PIL) vs on the
+device (``data.decode=device``: workers read bytes and draw crops, torchcodec decodes the batch on the device).
+Both through ``job.data.build_loaders`` and ``job.data.to_device``, the trainer's own path, with the same
+generated JPEGs (larger than the demo's, e.g. 320 px cropped to 224) and the same crops. On a CPU-only machine
+the "device" is the CPU: the main process decodes, so the ratio says how much the worker processes buy there;
+on a GPU node benchmarks/gpu_run.sh runs the same comparison against the GPU's consumption.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+
+def decode_rate(path: Path, decode: str, workers: int, batch: int, crop: int, batches: int, device: Any) -> float:
+    """Images/s from ``build_loaders`` through ``to_device`` over ``batches`` batches, after two warm-up ones."""
+    import torch
+
+    from job.config import DataConfig
+    from job.data.loaders import build_loaders, to_device
+
+    cfg = DataConfig(
+        source="imagefolder", path=path, num_classes=10, image_size=crop, num_workers=workers, decode=decode
+    )  # type: ignore[arg-type]
+    loaders = build_loaders(cfg, 0, 1, batch, 0, device)
+    it = iter(loaders.train)
+    for _ in range(2):
+        to_device(next(it), device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(batches):
+        images, _labels = to_device(next(it), device)
+        n += images.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    del it, loaders
+    return n / dt
+
+
+def make_jpegs(tmp: Path, size: int, per_class: int, timeout: float) -> Path:
+    data = tmp / f"jpeg-{size}"
+    cmd = [str(common.BIN / "ddp-job"), "make-data", "--out", str(data), "--classes", "10"]
+    cmd += ["--per-class", str(per_class), "--size", str(size), "--format", "jpeg"]
+    common.run(cmd, common.child_env(tmp), timeout)
+    return data
+
+
+def compare(tmp: Path, size: int, crop: int, batch: int, workers: int, reps: int, batches: int, device: Any) -> dict:
+    """Interleaved repetitions of both paths on the same images; median [min-max] of each and of the ratio."""
+    data = make_jpegs(tmp, size, max(8, -(-batch * (batches + 3) // 10)), 600)
+    rates: dict[str, list[float]] = {"cpu": [], "device": []}
+    for rep in range(reps):
+        order = ["cpu", "device"]
+        if rep % 2:
+            order.reverse()
+        for decode in order:
+            rates[decode].append(decode_rate(data, decode, workers, batch, crop, batches, device))
+    ratio = common.median_spread(d / c for d, c in zip(rates["device"], rates["cpu"], strict=True))
+    return {"cpu": common.median_spread(rates["cpu"]), "device": common.median_spread(rates["device"]), "ratio": ratio}
+
+
+def report(result: dict, size: int, crop: int, batch: int, workers: int, device: Any) -> None:
+    rows = [
+        [f"data.decode=cpu ({workers} workers decode with PIL)", common.fmt_ms(result["cpu"], 1, " img/s")],
+        [f"data.decode=device (decode on {device.type})", common.fmt_ms(result["device"], 1, " img/s")],
+        ["device / cpu", common.fmt_ms(result["ratio"], 1, "x")],
+    ]
+    title = f"decode paths: {size}px JPEG -> {crop}px crops, batch {batch}, to normalised batches on {device.type}"
+    common.table(title, ["path", "median [min-max]"], rows)
+
+
+GPU_RUNS = ("synthetic", "cpu", "gpu")  # run names data-<name> in benchmarks/gpu_run.sh
+GPU_GOAL = 0.95  # decoded-JPEG throughput / synthetic throughput with data.decode=gpu
+
+
+def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
+    """benchmarks/gpu_run.sh's data comparison: each path's trained img/s over the synthetic-data img/s."""
+    import json
+    import statistics
+
+    rate = {}
+    for name in GPU_RUNS:
+        values = [
+            v for step, v, _ in common.scalars(runs / f"data-{name}", "perf/samples_per_s") if step > warmup_steps
+        ]
+        rate[name] = statistics.median(values)
+    out = {
+        "img_s": rate,
+        "cpu_over_synthetic": rate["cpu"] / rate["synthetic"],
+        "gpu_over_synthetic": rate["gpu"] / rate["synthetic"],
+    }
+    out["goal_gpu_ge_0_95"] = out["gpu_over_synthetic"] >= GPU_GOAL
+    print(json.dumps({"bench": "decode_gpu", **out}))
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    summarise_gpu(Path(sys.argv[1]), int(sys.argv[2]))
