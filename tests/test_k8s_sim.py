@@ -305,10 +305,34 @@ def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
     assert _final_step(sim.log("ddp-smoke-master-0")) == _steps(sim)
 
 
+def _rendered_config(docs: list[dict]) -> dict:
+    """The training config in the rendered ConfigMap (job.yaml), before any pod runs."""
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "job.yaml" in d.get("data", {})]
+    return yaml.safe_load(cm["data"]["job.yaml"])
+
+
+def _with_args(docs: list[dict], *args: str) -> list[dict]:
+    """The rendered manifests with ARGS appended to every `pytorch` container's training arguments."""
+    job = next(d for d in docs if d["kind"] == "PyTorchJob")
+    for rs in job["spec"]["pytorchReplicaSpecs"].values():
+        c = next(c for c in rs["template"]["spec"]["containers"] if c["name"] == "pytorch")
+        c["args"] = [*c["args"], *args]
+    return docs
+
+
 def test_elastic_worker_joins_late(tmp_path: Path) -> None:
     """cpu-smoke-elastic: worker-0 trains alone (1 pod x 2 processes), worker-1 is scheduled later;
     torchrun's c10d rendezvous admits it, the group restarts with 4 processes and resumes."""
     docs = kv.render(kv.K8S / "overlays" / "cpu-smoke-elastic")
+    config = _rendered_config(docs)
+    steps, every = config["train"]["steps"], config["ckpt"]["every"]
+    # Rank 0 straggles 5 s in every step after the first checkpoint, so the second pod (torch imports take
+    # tens of seconds under load) joins while the first still trains: once, under CI load, the first pod
+    # finished all its steps before the second arrived, and there was no mid-run restart to test.
+    delayed = "[" + ",".join(str(s) for s in range(every + 1, steps + 1)) + "]"
+    docs = _with_args(
+        docs, "--debug.straggler-delay-s", "5", "--debug.straggler-rank", "0", "--debug.straggler-steps", delayed
+    )
     with ks.Simulation(docs, tmp_path) as sim:
         sim.start(only=["ddp-smoke-elastic-worker-0"])
         first = _first_checkpoint(sim)
