@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 from job.config import DataConfig
 from job.data.augment import Crop, apply_eval, apply_train, draw_crop
 from job.data.sampler import sample_seed
-from job.data.workers import WorkerFailure, init_error
+from job.data.workers import WorkerFailure, init_error, unreadable_image
 from job.errors import BadInput, JobError
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
@@ -117,12 +117,7 @@ def _jpeg_size(raw: np.ndarray, path: str) -> tuple[int, int]:
             width, height = im.size
             return height, width
     except Exception as e:
-        raise BadInput(
-            f"data: cannot read image file {path} ({type(e).__name__}: {str(e).strip()[:200]}).",
-            "delete or replace this file (it is truncated, corrupt or unreadable).",
-            setting="data.path",
-            value=path,
-        ) from None
+        raise unreadable_image(path, e) from None
 
 
 class EncodedFiles(Dataset):

@@ -38,7 +38,14 @@ from job.data.augment import eval_transform, train_transform
 from job.data.datagen import make_data_main, make_dataset  # noqa: F401  (re-exported: the CLI's make-data)
 from job.data.device_decode import EncodedBatch, EncodedFiles, collate_encoded, decode_batch
 from job.data.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
-from job.data.workers import WorkerFailure, WorkerTrackingLoader, init_error, init_worker, socket_tempdir_too_long
+from job.data.workers import (
+    WorkerFailure,
+    WorkerTrackingLoader,
+    init_error,
+    init_worker,
+    socket_tempdir_too_long,
+    unreadable_image,
+)
 from job.errors import BadInput, DataStall, JobError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -157,12 +164,7 @@ def decode(path: str) -> torch.Tensor:
             array = np.asarray(im.convert("RGB"))
         return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
     except Exception as e:
-        raise BadInput(
-            f"data: cannot read image file {path} ({type(e).__name__}: {str(e).strip()[:200]}).",
-            "delete or replace this file (it is truncated, corrupt or unreadable).",
-            setting="data.path",
-            value=path,
-        ) from None
+        raise unreadable_image(path, e) from None
 
 
 class ImageFiles(Dataset):

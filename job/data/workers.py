@@ -108,6 +108,16 @@ def use_short_socket_tempdir() -> str | None:
     )
 
 
+def unreadable_image(path: str, err: Exception) -> BadInput:
+    """The error for an image file that cannot be read or decoded, whichever path decodes it."""
+    return BadInput(
+        f"data: cannot read image file {path} ({type(err).__name__}: {str(err).strip()[:200]}).",
+        "delete or replace this file (it is truncated, corrupt or unreadable).",
+        setting="data.path",
+        value=path,
+    )
+
+
 def init_worker(worker_id: int) -> None:
     """DataLoader ``worker_init_fn``: ignore the stop signals (job.train.preempt), sockets that fit (above).
 
