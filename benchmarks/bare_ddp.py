@@ -2,7 +2,8 @@
 
 Same model (torchvision, random init), synthetic uint8 images normalised on the device, batch, precision,
 memory format and optimizer (SGD momentum 0.9, weight decay 1e-4, foreach) as ``ddp-job train``; nothing
-else: no scheduler, clipping, logging, checkpoints or stop checks. Writes per-step times (rank 0) as JSON.
+else: no scheduler, clipping, logging, checkpoints or stop checks. Writes per-step times (rank 0) and every rank's
+per-step CPU seconds as JSON.
 Also the startup reference: prints the wall time of the first collective and of the first optimizer step.
 """
 
@@ -52,7 +53,9 @@ def main() -> None:
     std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
     loss_fn = torch.nn.CrossEntropyLoss()
     times: list[float] = []
+    cpu_times: list[float] = []  # CPU seconds of this process (all threads) per step, loop bookkeeping included
     t_first_step = 0.0
+    cpu0 = time.process_time()
     for step in range(a.steps):
         t0 = time.perf_counter()
         i = (step * micro) % (n - micro + 1)
@@ -65,13 +68,19 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.item()  # one host sync per step, like the trainer's finite check
         times.append(time.perf_counter() - t0)
+        cpu1 = time.process_time()
+        cpu_times.append(cpu1 - cpu0)
+        cpu0 = cpu1
         if step == 0:
             t_first_step = time.time()
+    cpu_per_rank: list[list[float] | None] = [None] * world
+    dist.all_gather_object(cpu_per_rank, cpu_times)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(
                 {
                     "step_times": times,
+                    "cpu_times_per_rank": cpu_per_rank,
                     "t_python_start": T_START,
                     "t_first_collective": t_collective,
                     "t_first_step": t_first_step,

@@ -5,9 +5,12 @@ the same torchrun on gloo (nccl on a GPU), 1 and 2 processes. Runs are interleav
 (the order rotates), the first ``--warmup`` steps are discarded, and each repetition gives a ratio of
 adjacent runs; the ratios' median and spread are the result. ddp-job's step time is what it logs
 (TensorBoard ``perf/step_time_s``); its ``wall`` time also counts what happens between logged steps
-(stop-flag all-reduce, observer, logging), from the TensorBoard event wall times.
+(stop-flag all-reduce, observer, logging), from the TensorBoard event wall times. ``cpu`` is CPU seconds per
+step of the busiest rank's process (all threads, every iteration of the loop): on a shared or loaded machine
+wall times move with the neighbours' load, CPU seconds far less, so ``ratio_cpu_vs_bare`` is the comparison
+that can tell 0.99 from 0.96 there.
 
-    ddp-job bench overhead [--quick] [--nprocs 1,2] [--reps 3] [--lightning auto|on|off]
+    ddp-job bench overhead [--quick] [--nprocs 1,2] [--reps 5] [--lightning auto|on|off]
 """
 
 from __future__ import annotations
@@ -34,6 +37,25 @@ def job_times(run_dir: Path, warmup: int, log_every: int) -> tuple[list[float], 
     return logged, wall
 
 
+def job_cpu(run_dir: Path, warmup: int, log_every: int) -> float:
+    """Median over the windows after ``warmup`` of the busiest rank's CPU seconds per step (the observer's)."""
+    ev = common.scalars(run_dir, "perf/cpu_s_per_step_max")
+    return statistics.median(v for step, v, _ in ev if step - log_every >= warmup)
+
+
+def window_medians(times: list[float], k: int) -> float:
+    """The trainer's estimator for a per-step series: the mean of each window of ``k`` steps, their median."""
+    return statistics.median(statistics.fmean(times[i : i + k]) for i in range(0, len(times) - k + 1, k))
+
+
+def bare_cpu(per_rank: list[list[float]], warmup: int, k: int) -> float:
+    """The job_cpu estimator for the bare loop: per window the busiest rank's mean, median over windows."""
+    windows = []
+    for i in range(warmup, len(per_rank[0]) - k + 1, k):
+        windows.append(max(statistics.fmean(cpu[i : i + k]) for cpu in per_rank))
+    return statistics.median(windows)
+
+
 def run_variant(kind: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
     env = common.child_env(tmp)
     timeout = a.timeout
@@ -51,7 +73,12 @@ def run_variant(kind: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: st
         )
         common.run(common.torchrun_cmd(nproc, ["-m", "job", "train", *args]), env, timeout)
         logged, wall = job_times(run_dir, a.warmup, a.log_every)
-        return {"step_s": statistics.median(logged), "wall_step_s": statistics.median(wall), "n": len(logged)}
+        return {
+            "step_s": statistics.median(logged),
+            "wall_step_s": statistics.median(wall),
+            "cpu_s": job_cpu(run_dir, a.warmup, a.log_every),
+            "n": len(logged),
+        }
     out = tmp / f"{tag}.json"
     script = HERE / ("bare_ddp.py" if kind == "bare" else "lightning_ref.py")
     ref = [
@@ -69,12 +96,13 @@ def run_variant(kind: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: st
         str(out),
     ] + (["--channels-last"] if a.channels_last else [])
     common.run(common.torchrun_cmd(nproc, [str(script), *ref]), env, timeout)
-    times = json.loads(out.read_text())["step_times"][a.warmup :]
+    result = json.loads(out.read_text())
     # The same estimator as ddp-job's logged step time: the mean of each window of log_every steps, then the
     # median over windows (a median of single steps would drop the slow tail that a window mean keeps).
-    k = a.log_every
-    windows = [statistics.fmean(times[i : i + k]) for i in range(0, len(times) - k + 1, k)]
-    return {"step_s": statistics.median(windows), "n": len(windows)}
+    measured = {"step_s": window_medians(result["step_times"][a.warmup :], a.log_every)}
+    if "cpu_times_per_rank" in result:
+        measured["cpu_s"] = bare_cpu(result["cpu_times_per_rank"], a.warmup, a.log_every)
+    return measured
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -103,7 +131,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     q = a.quick
     a.nprocs = [int(x) for x in (a.nprocs or ("1" if q else "1,2")).split(",")]
-    a.reps = a.reps or (1 if q else 3)
+    a.reps = a.reps or (1 if q else 5)
     a.steps = a.steps or (6 if q else 30)
     a.warmup = a.warmup if a.warmup is not None else (2 if q else 5)
     a.log_every = a.log_every or (1 if q else 5)
@@ -159,14 +187,20 @@ def main(argv: list[str]) -> int:
         r["ratio_wall_vs_bare"] = common.median_spread(
             b["step_s"] / j["wall_step_s"] for j, b in zip(runs["job"], runs["bare"])
         )
+        # CPU seconds per step do not grow when other processes take the cores: the load-robust ratio
+        r["job_cpu"] = common.median_spread(x["cpu_s"] for x in runs["job"])
+        r["bare_cpu"] = common.median_spread(x["cpu_s"] for x in runs["bare"])
+        r["ratio_cpu_vs_bare"] = common.median_spread(
+            b["cpu_s"] / j["cpu_s"] for j, b in zip(runs["job"], runs["bare"])
+        )
         if "lightning" in runs:
             r["ratio_vs_lightning"] = common.median_spread(
                 lt["step_s"] / j["step_s"] for j, lt in zip(runs["job"], runs["lightning"])
             )
         result["nprocs"][n] = r
-        for k in [*kinds, "job_wall"]:
+        for k in [*kinds, "job_wall", "job_cpu", "bare_cpu"]:
             rows.append([n, k, common.fmt_ms(r[k], 1000, " ms"), f"{1 / r[k]['median']:.2f}"])
-        for k in ("ratio_vs_bare", "ratio_wall_vs_bare", "ratio_vs_lightning"):
+        for k in ("ratio_vs_bare", "ratio_wall_vs_bare", "ratio_cpu_vs_bare", "ratio_vs_lightning"):
             if k in r:
                 rows.append([n, k, f"{r[k]['median']:.3f} [{r[k]['min']:.3f}-{r[k]['max']:.3f}]", ""])
     common.table(

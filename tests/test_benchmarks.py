@@ -50,6 +50,9 @@ def test_overhead_quick(tmp_path):
     # the wall time per step includes what the logged step time excludes
     assert r["job_wall"]["median"] >= r["job"]["median"] * 0.9
     assert close(r["ratio_vs_lightning"]["median"], r["lightning"]["median"] / r["job"]["median"])
+    # CPU seconds per step (all threads of the busiest rank): positive, and the load-robust ratio is their ratio
+    assert r["job_cpu"]["median"] > 0 and r["bare_cpu"]["median"] > 0
+    assert close(r["ratio_cpu_vs_bare"]["median"], r["bare_cpu"]["median"] / r["job_cpu"]["median"])
 
 
 def test_comm_quick_counts_match_theory(tmp_path):

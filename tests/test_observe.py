@@ -47,8 +47,12 @@ def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_summarize_names_the_busiest_rank_and_derives_throughput() -> None:
-    # fields: step_s, busy_s, data_wait_frac, peak_alloc_mb, peak_reserved_mb, rss_mb, peak_rss_mb
-    rows = [[1.0, 0.40, 0.1, 0, 0, 100, 120], [1.0, 0.95, 0.5, 0, 0, 110, 130], [0.9, 0.50, 0.0, 0, 0, 90, 95]]
+    # fields: step_s, busy_s, data_wait_frac, peak_alloc_mb, peak_reserved_mb, rss_mb, peak_rss_mb, cpu_s
+    rows = [
+        [1.0, 0.40, 0.1, 0, 0, 100, 120, 0.7],
+        [1.0, 0.95, 0.5, 0, 0, 110, 130, 0.9],
+        [0.9, 0.50, 0.0, 0, 0, 90, 95, 0.6],
+    ]
     s = summarize(rows, global_batch=96, flops_per_sample=2e9, peak_tflops=100.0)
     assert (
         s["straggler/slowest_rank"] == 1 and s["straggler/busy_s_max"] == 0.95 and s["straggler/busy_s_median"] == 0.5
@@ -61,6 +65,7 @@ def test_summarize_names_the_busiest_rank_and_derives_throughput() -> None:
         2e9 * 32 / 1e12 / 100
     )
     assert s["rank/1/data_wait_frac"] == 0.5 and s["mem/peak_rss_mb_max"] == 130
+    assert s["perf/cpu_s_per_step_median"] == 0.7 and s["perf/cpu_s_per_step_max"] == 0.9 and s["rank/2/cpu_s"] == 0.6
     assert "perf/mfu" not in summarize(rows, 96, 2e9, 0.0)  # no peak known: no MFU, but still TFLOP/s
 
 
@@ -123,6 +128,10 @@ def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path,
         assert b1 - b0 > 0.5 * delay, (s["rank/0/busy_s"], s["rank/1/busy_s"])
     # the fast rank spent the delay waiting: its step takes as long as the slow rank's
     assert all(v > delay for _, v in s["straggler/step_s_min"])
+    # CPU time counts work, not waiting: the straggler's sleep is in its busy time but not in its CPU seconds
+    for (_, c1), (_, b1) in zip(s["rank/1/cpu_s"], s["rank/1/busy_s"]):
+        assert 0 < c1 < b1 - 0.5 * delay, (s["rank/1/cpu_s"], s["rank/1/busy_s"])
+    assert all(v > 0 for _, v in s["perf/cpu_s_per_step_median"])
     for tag in (
         "perf/samples_per_s_global",
         "perf/samples_per_s_per_device",

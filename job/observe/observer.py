@@ -49,7 +49,10 @@ PEAK_TFLOPS = {
     "L4": 121.0,
     "V100": 125.0,
 }
-_FIELDS = ("step_s", "busy_s", "data_wait_frac", "peak_alloc_mb", "peak_reserved_mb", "rss_mb", "peak_rss_mb")
+_FIELDS = ("step_s", "busy_s", "data_wait_frac", "peak_alloc_mb", "peak_reserved_mb", "rss_mb", "peak_rss_mb", "cpu_s")
+"""One rank's window averages, in the order of the all_gather. ``cpu_s``: CPU seconds per step of the rank's
+process, all its threads (gloo, TensorBoard writer, checkpoint writer; not DataLoader workers): unlike step time
+it does not grow when other processes take the cores, so it is what benchmarks compare under load."""
 
 
 def gpu_peak_tflops(device: torch.device) -> float:
@@ -97,6 +100,8 @@ def summarize(
         "mem/peak_alloc_mb_max": max(col["peak_alloc_mb"]),
         "mem/peak_reserved_mb_max": max(col["peak_reserved_mb"]),
         "mem/rss_mb_max": max(col["rss_mb"]),
+        "perf/cpu_s_per_step_median": statistics.median(col["cpu_s"]),
+        "perf/cpu_s_per_step_max": max(col["cpu_s"]),
         "mem/peak_rss_mb_max": max(col["peak_rss_mb"]),
     }
     out["perf/samples_per_s_per_device"] = out["perf/samples_per_s_global"] / world
@@ -107,7 +112,7 @@ def summarize(
             out["perf/mfu"] = tflops / peak_tflops
     if world <= 64:  # per-rank series; beyond that min/median/max and the slowest rank say enough
         for r in range(world):
-            for f in ("busy_s", "data_wait_frac", "peak_alloc_mb", "peak_rss_mb"):
+            for f in ("busy_s", "data_wait_frac", "peak_alloc_mb", "peak_rss_mb", "cpu_s"):
                 out[f"rank/{r}/{f}"] = col[f][r]
     return out
 
@@ -131,9 +136,10 @@ class Observer:
         self.global_batch = global_batch
         self.next_step = start_step + 1
         self._last_end = time.perf_counter()
+        self._last_cpu = time.process_time()
         self._grads_t: float | None = None
         self._seen_data = 0.0
-        self._window = [0.0, 0.0, 0.0, 0]  # step_s, busy_s, data_s, steps
+        self._window = [0.0, 0.0, 0.0, 0, 0.0]  # step_s, busy_s, data_s, steps, cpu_s
         self._prof: Any = None
         self._prof_end = 0
         self.flops = train_flops_per_sample(model, cfg.data.image_size, device)
@@ -164,7 +170,7 @@ class Observer:
     # --- per step ---
     def step_done(self, step: int, timer: Any) -> dict[str, float] | None:
         """After optimizer step ``step`` (every rank); on the steps it publishes, rank 0 gets the statistics."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         busy = (self._grads_t or now) - self._last_end
         w = self._window
         w[0] += now - self._last_end
@@ -172,6 +178,8 @@ class Observer:
         # metrics.StepTimer accumulates data wait since its last reset (at each log step).
         w[2] += timer.data_s if timer.steps == 1 else timer.data_s - self._seen_data
         w[3] += 1
+        w[4] += cpu - self._last_cpu
+        self._last_cpu = cpu
         self._seen_data = timer.data_s
         self._last_end, self._grads_t = now, None
         self.next_step = step + 1
@@ -183,11 +191,13 @@ class Observer:
 
     def _publish(self, step: int) -> dict[str, float] | None:
         """Gather every rank's window; rank 0 writes the cross-rank statistics and returns them."""
-        step_s, busy_s, data_s, n = self._window
+        step_s, busy_s, data_s, n, cpu_s = self._window
         n = max(n, 1)
-        mem = memory_mb(self.device)
-        mine = [step_s / n, busy_s / n, data_s / step_s if step_s > 0 else 0.0] + [mem[f] for f in _FIELDS[3:]]
-        self._window = [0.0, 0.0, 0.0, 0]
+        data_frac = data_s / step_s if step_s > 0 else 0.0
+        window = {"step_s": step_s / n, "busy_s": busy_s / n, "data_wait_frac": data_frac, "cpu_s": cpu_s / n}
+        window.update(memory_mb(self.device))
+        mine = [window[f] for f in _FIELDS]
+        self._window = [0.0, 0.0, 0.0, 0, 0.0]
         t = torch.tensor(mine, dtype=torch.float64)
         rows = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, t, group=self.group)
