@@ -11,7 +11,8 @@ resume are those of the worker path; only the decoder differs (tests/test_decode
 
 Why torchcodec: torchvision's own ``decode_jpeg`` is deprecated in its favour, it is the PyTorch team's
 maintained decoder, it decodes a list of JPEGs in one call on CUDA (batched nvJPEG) and on the CPU (so CI
-runs this very path), and it adds 12 MB to the image without FFmpeg (JPEG decoding does not need it).
+runs this very path), and it adds 24 MB to the image (12 MB of package, 12 MB of bundled libraries), without
+FFmpeg (JPEG decoding does not need it).
 DALI would also decode on the GPU but brings its own pipeline, sampler hand-off and ~0.5 GB; its CPU-only
 pipelines decode differently from the GPU ones, so the CPU test would not exercise the production path.
 """
