@@ -21,6 +21,7 @@ from job.errors import (
     EXIT_FAILURE,
     EXIT_TIMEOUT,
     BadInput,
+    BadShard,
     CheckpointLoadError,
     CheckpointWriteError,
     CollectiveTimeout,
@@ -37,6 +38,10 @@ from job.errors import (
 # Every error type and the exit code docs/design.md and the job.errors table give it.
 CASES = [
     (BadInput("train.steps=0 must be >= 1.", "pass --train.steps 10.", setting="train.steps", value=0), EXIT_BAD_INPUT),
+    (
+        BadShard("shard d/train-000003.tar: not a tar file.", "re-create it.", setting="data.path", value="d/x.tar"),
+        EXIT_BAD_INPUT,
+    ),
     (CollectiveTimeout("collective timed out on rank 0.", "raise dist.train_timeout_s."), EXIT_TIMEOUT),
     (DoctorFailed("preflight checks failed: rendezvous."), EXIT_FAILURE),
     (
