@@ -165,7 +165,9 @@ def _encode(image: np.ndarray, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def _split_images(seed: int, split_id: int, classes: int, n: int, size: int, fmt: str) -> Iterator[tuple[int, int, bytes]]:
+def _split_images(
+    seed: int, split_id: int, classes: int, n: int, size: int, fmt: str
+) -> Iterator[tuple[int, int, bytes]]:
     """(class, index, file bytes) of one split, class by class; each image from its own seeded generator."""
     for c in range(classes):
         for i in range(n):
@@ -277,9 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-per-class", type=int, default=None, help="validation images per class (default per-class/4)")
     p.add_argument("--seed", type=int, default=0, help="seed: same arguments give byte-identical files (default 0)")
     p.add_argument(
-        "--format", choices=FORMATS, default="png", help="png or jpeg ImageFolder, or webdataset (PNG shards) (default png)"
+        "--format",
+        choices=FORMATS,
+        default="png",
+        help="png or jpeg ImageFolder, or webdataset (PNG shards) (default png)",
     )
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard with --format webdataset (default 256)")
+    p.add_argument(
+        "--shard-size", type=int, default=256, help="samples per shard with --format webdataset (default 256)"
+    )
     return p
 
 
