@@ -20,7 +20,7 @@ per-sample augmentation and exact validation shards). make-data writes the same 
 ImageFolder, so both sources give the same batches.
 
 Checks before any process group (`validate_shards`): the index or directory, a non-empty shard list, every local
-shard file present with a tar's size (a multiple of 512 bytes), the class count, and the first shard of each
+shard file present with a tar's size (a multiple of 512 bytes) and a valid first tar header, the class count, and the first shard of each
 split opened and its first samples decoded (labels in range). Every shard is checked again when a loader opens
 it (its sample count against the index) and every sample when it is read; failures are ``BadShard`` errors naming
 the shard file.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,16 +194,23 @@ def _bad_shard(shards: ShardList, url: str, what: str, fix: str = "") -> BadShar
 
 
 def check_shard_files(shards: ShardList) -> None:
-    """Every local shard present and of a tar's size (one stat each; remote shards are checked when read)."""
+    """Every local shard present, of a tar's size and starting with a valid tar header (a stat and a 512-byte read
+    each, not a scan: the whole index of a shard is read when a loader opens it; remote shards are checked then)."""
     for url in shards.urls:
         if is_remote(url):
             continue
         try:
-            size = os.stat(_local_path(url)).st_size
+            with open(_local_path(url), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(_TAR_BLOCK)
         except OSError as e:
             raise _bad_shard(shards, url, f"cannot be read ({e.strerror}).") from None
         if size == 0 or size % _TAR_BLOCK:
             raise _bad_shard(shards, url, f"{size} bytes, not a multiple of {_TAR_BLOCK}: truncated or not a tar file.")
+        try:
+            tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as e:
+            raise _bad_shard(shards, url, f"does not start with a tar header ({type(e).__name__}: {e}).") from None
 
 
 def _open_stream(url: str) -> io.BufferedReader:
