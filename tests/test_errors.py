@@ -38,10 +38,6 @@ from job.errors import (
 # Every error type and the exit code docs/design.md and the job.errors table give it.
 CASES = [
     (BadInput("train.steps=0 must be >= 1.", "pass --train.steps 10.", setting="train.steps", value=0), EXIT_BAD_INPUT),
-    (
-        BadShard("shard d/train-000003.tar: not a tar file.", "re-create it.", setting="data.path", value="d/x.tar"),
-        EXIT_BAD_INPUT,
-    ),
     (CollectiveTimeout("collective timed out on rank 0.", "raise dist.train_timeout_s."), EXIT_TIMEOUT),
     (DoctorFailed("preflight checks failed: rendezvous."), EXIT_FAILURE),
     (
@@ -53,6 +49,10 @@ CASES = [
     (CheckpointLoadError("state.pt refused by weights_only=True.", "move it away."), EXIT_FAILURE),
     (NonFiniteError("too many non-finite steps.", "lower optim.lr."), EXIT_FAILURE),
     (TrainingFailed({"77": 3, "78": 124}, {"77": "a.err", "78": "b.err"}), 124),
+    (
+        BadShard("shard d/train-000003.tar: not a tar file.", "re-create it.", setting="data.path", value="d/x.tar"),
+        EXIT_BAD_INPUT,
+    ),
 ]
 IDS = [type(err).__name__ for err, _ in CASES]
 
