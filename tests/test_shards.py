@@ -280,6 +280,12 @@ BAD = [
     ("label-out-of-range", [], _first_label_too_big, "sample s0 has label 9, outside [0, data.num_classes=4)"),
     ("classes-mismatch", ["--data.num-classes", "5"], None, "data.num_classes=5 but the shard index names 4 classes"),
     ("decode-on-device", ["--data.decode", "device"], None, "data.decode=device"),
+    (
+        "fewer-samples-than-a-batch",
+        ["--train.global-batch-size", "128"],
+        None,
+        "data.path={data}/train.json: the training set has 64 samples",
+    ),
 ]
 
 
@@ -313,3 +319,17 @@ def test_bad_input_exits_2_naming_setting_and_shard(tmp_path, shards, monkeypatc
     assert rc == 2, err[-2000:]
     assert names in err and "Fix:" in err and "Traceback" not in err, err
     assert not out.exists(), "the run directory was written"
+
+
+def test_the_doctor_checks_the_shards(tmp_path, shards):
+    from job.config.load import load_config
+    from job.doctor.checks import check_data
+
+    args = ["--data.source", "webdataset", "--data.num-classes", "4"]
+    good = check_data(load_config([*args, "--data.path", str(shards)], {}))
+    assert good.status == "PASS" and "64 train samples in 4 shard(s)" in good.detail, good
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    _garbage(tmp_path, data)
+    bad = check_data(load_config([*args, "--data.path", str(data)], {}))
+    assert bad.status == "FAIL" and f"shard {data}/val-000000.tar" in bad.detail and "re-create" in bad.fix, bad

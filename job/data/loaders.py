@@ -325,8 +325,10 @@ def check_train_size(
         BadInput: naming the data setting, the sample count and the batch arithmetic.
     """
     n, setting, value = cfg.synthetic_train_size, "data.synthetic_train_size", str(cfg.synthetic_train_size)
-    if layout is not None:
+    if isinstance(layout, DataLayout):
         n, setting, value = len(layout.train), "data.path", str(cfg.path)
+    elif layout is not None:  # WebDataset shards: the setting that named them
+        n, setting, value = len(layout.train), layout.train.setting, layout.train.source
     sampler = ResumableSampler(n, 0, world_size, micro_batch_size, 0, grad_accum_steps)
     if sampler.batches_per_epoch == 0:
         raise BadInput(
