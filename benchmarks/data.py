@@ -4,7 +4,8 @@ decode + augmentation, workers 0..N) vs the images/s the trainer consumes with s
 worker count. Goals: loader >= 1.2x consumption at the default worker count; data-wait < 5 %.
 
 The loader is measured alone (it has the whole machine); in training its workers share the cores with
-the model, which is what the logged data-wait fraction shows.
+the model, which is what the logged data-wait fraction shows. Also compared: the decode paths
+(benchmarks/decode.py) and WebDataset shards vs the ImageFolder on the same images (benchmarks/shards.py).
 
     ddp-job bench data [--quick] [--workers 0,1,2,4] [--reps 2]
 """
@@ -18,17 +19,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common, decode
+from benchmarks import common, decode, shards
 
 
-def loader_rate(path: Path, workers: int, batch: int, size: int, batches: int) -> float:
+def loader_rate(path: Path, workers: int, batch: int, size: int, batches: int, source: str = "imagefolder") -> float:
     """Images/s of this rank's training loader over ``batches`` batches, after two warm-up batches."""
     import torch
 
     from job.config import DataConfig
     from job.data.loaders import build_loaders
 
-    cfg = DataConfig(source="imagefolder", path=path, num_classes=10, image_size=size, num_workers=workers)
+    cfg = DataConfig(source=source, path=path, num_classes=10, image_size=size, num_workers=workers)  # type: ignore[arg-type]
     loaders = build_loaders(cfg, 0, 1, batch, 0, torch.device("cpu"))
     it = iter(loaders.train)
     for _ in range(2):
@@ -127,6 +128,8 @@ def main(argv: list[str]) -> int:
         paths = decode.compare(
             tmp, decode_size, decode_crop, a.batch, a.default_workers, max(a.reps, 1 if q else 5), batches, _cpu()
         )
+        source_reps = max(a.reps, 1 if q else 5)
+        sources = shards.compare(tmp, a.size, per_class, a.batch, sorted({0, a.default_workers}), source_reps, batches)
     stats = {w: common.median_spread(v) for w, v in rates.items()}
     cons = common.median_spread(consume)
     ratio = common.median_spread(r / c for r, c in zip(rates[a.default_workers], consume))
@@ -149,6 +152,7 @@ def main(argv: list[str]) -> int:
         rows,
     )
     decode.report(paths, decode_size, decode_crop, a.batch, a.default_workers, _cpu())
+    shards.report(sources, a.size, per_class, a.batch, source_reps)
     goals = {"loader_ge_1_2x": ratio["median"] >= 1.2, "data_wait_lt_5pct": waits["median"] < 0.05}
     print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
     common.emit(
@@ -161,6 +165,7 @@ def main(argv: list[str]) -> int:
             "ratio_at_default": ratio,
             "data_wait_frac": waits,
             "decode_paths": paths,
+            "sources": sources,
             "goals": goals,
             "config": {"size": a.size, "batch": a.batch, "model": a.model, "steps": a.steps, "reps": a.reps},
         },

@@ -16,6 +16,7 @@ commands:
   train        train (as a torchrun worker, a single process, or launching one process per GPU itself)
   launch       torchrun drop-in: ddp-job launch [torchrun options] -- [train|doctor] [args]; maps worker exit codes
   make-data    write a learnable ImageFolder dataset: ddp-job make-data --out DIR --classes 10 --per-class 100
+               (--format webdataset: the same images as tar shards + index)
   config show  print the resolved config as YAML: ddp-job config show [--config PATH] [--section.field VALUE]
   submit       submit to Slurm with submitit: ddp-job submit --help
   doctor       preflight checks: ddp-job doctor [train args]

@@ -81,6 +81,12 @@ class BadInput(JobError):
     show_traceback = False
 
 
+class BadShard(BadInput):
+    """A WebDataset shard (its path or URL in ``value``) that cannot be used: missing, truncated, not a tar, holding
+    another sample count than its index says, or a sample without an image or label, with an undecodable image
+    or a label outside ``[0, data.num_classes)``. Exits 2 like any bad input."""
+
+
 class CollectiveTimeout(JobError, RuntimeError):
     """A collective timed out; the message says which rank(s) stalled (job.observe.observer)."""
 

@@ -112,6 +112,11 @@ def test_data_quick(tmp_path):
     paths = out["decode_paths"]
     assert paths["cpu"]["median"] > 0 and paths["device"]["median"] > 0
     assert paths["ratio"]["n"] == paths["cpu"]["n"] >= 1
+    sources = out["sources"]
+    assert set(sources["ratio"]) == {"0", d}
+    for w, ratio in sources["ratio"].items():
+        assert sources["imagefolder"][w]["median"] > 0 and sources["webdataset"][w]["median"] > 0
+        assert ratio["n"] == sources["webdataset"][w]["n"] == sources["imagefolder"][w]["n"] >= 1
 
 
 def test_scaling_refuses_without_gpu(tmp_path):

@@ -21,6 +21,7 @@ from job.errors import (
     EXIT_FAILURE,
     EXIT_TIMEOUT,
     BadInput,
+    BadShard,
     CheckpointLoadError,
     CheckpointWriteError,
     CollectiveTimeout,
@@ -48,6 +49,10 @@ CASES = [
     (CheckpointLoadError("state.pt refused by weights_only=True.", "move it away."), EXIT_FAILURE),
     (NonFiniteError("too many non-finite steps.", "lower optim.lr."), EXIT_FAILURE),
     (TrainingFailed({"77": 3, "78": 124}, {"77": "a.err", "78": "b.err"}), 124),
+    (
+        BadShard("shard d/train-000003.tar: not a tar file.", "re-create it.", setting="data.path", value="d/x.tar"),
+        EXIT_BAD_INPUT,
+    ),
 ]
 IDS = [type(err).__name__ for err, _ in CASES]
 

@@ -67,10 +67,17 @@ class DataConfig(BaseModel):
     """Training and validation data."""
 
     model_config = _SECTION
-    source: Literal["synthetic", "imagefolder"] = "imagefolder"
-    """imagefolder: an ImageNet-layout directory (path/train, path/val); synthetic: random tensors on the device."""
+    source: Literal["synthetic", "imagefolder", "webdataset"] = "imagefolder"
+    """imagefolder: an ImageNet-layout directory (path/train, path/val); webdataset: .tar shards read by index
+    (train_shards / val_shards; docs/webdataset.md); synthetic: random tensors on the device."""
     path: Path = Path("data/shapes")
-    """ImageFolder root that holds train/ and val/ (see ddp-job make-data)."""
+    """ImageFolder root that holds train/ and val/, or (webdataset) the directory of train.json and val.json
+    (see ddp-job make-data)."""
+    train_shards: str = ""
+    """webdataset: the training shards: a wids index JSON (path or http(s)/s3/gs URL, shard URLs relative to it),
+    or a local directory whose *.tar files are the shards. Empty: <path>/train.json, else the directory <path>/train."""
+    val_shards: str = ""
+    """webdataset: the validation shards, as train_shards. Empty: <path>/val.json, else the directory <path>/val."""
     num_classes: int = Field(10, ge=2)
     """Number of classes; must match the class folders."""
     image_size: int = Field(32, ge=8)

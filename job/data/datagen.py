@@ -1,4 +1,4 @@
-"""`ddp-job make-data`: write a small, learnable ImageFolder of coloured shapes.
+"""`ddp-job make-data`: write a small, learnable dataset of coloured shapes (ImageFolder or WebDataset shards).
 
 Every class is one (shape, colour) pair: class ``c`` draws shape ``c % 7`` in colour ``c % 8`` (7 and 8
 are coprime, so classes 0..55 are all distinct pairs). Each image is a shape of random size and position
@@ -11,6 +11,11 @@ Layout (torchvision ``ImageFolder`` compatible)::
     OUT/val/class_00/000000.png ...     --val-per-class images per class
     OUT/make-data.json                  the arguments, written last (marks the set complete)
 
+``--format webdataset`` writes the same PNG files (byte for byte) as WebDataset shards instead, in the same
+order (class by class, so sample ``i`` of a split is the ImageFolder's ``i``-th file): ``OUT/train-000000.tar``
+... with their index ``OUT/train.json``, and the same for val (layout: job.data.shard_format). Sample keys are
+the ImageFolder paths without extension (``class_00/000000``).
+
 Determinism: every image has its own numpy generator seeded from ``(seed, split, class, index)``, so
 the same arguments give byte-identical files, whatever order they are written in. Atomicity: the set is
 written into a temporary sibling directory and renamed to OUT in one step, so a crash never leaves a
@@ -21,17 +26,20 @@ torch, so the command is quick.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from job.data import shard_format
 from job.errors import BadInput
 
 SHAPES = ("circle", "square", "triangle", "cross", "diamond", "ring", "x")
@@ -49,6 +57,7 @@ MAX_CLASSES = len(SHAPES) * len(COLOURS)
 MANIFEST = "make-data.json"
 _SUPERSAMPLE = 4  # draw at 4x and downsample: smooth edges, still deterministic
 _FORMAT_VERSION = 1  # bump when the pixels change, so an old set is not mistaken for a new one
+FORMATS = ("png", "jpeg", "webdataset")
 
 
 def class_name(c: int) -> str:
@@ -100,7 +109,7 @@ def render_image(c: int, size: int, rng: np.random.Generator) -> np.ndarray:
     return np.clip(np.asarray(img, dtype=np.float64) + noise, 0, 255).round().astype(np.uint8)
 
 
-def _check_args(classes: int, per_class: int, size: int, val_per_class: int, fmt: str) -> None:
+def _check_args(classes: int, per_class: int, size: int, val_per_class: int, fmt: str, shard_size: int) -> None:
     if not 1 <= classes <= MAX_CLASSES:
         raise BadInput(
             f"make-data --classes {classes}: must be between 1 and {MAX_CLASSES} "
@@ -130,10 +139,53 @@ def _check_args(classes: int, per_class: int, size: int, val_per_class: int, fmt
             setting="--size",
             value=size,
         )
-    if fmt not in ("png", "jpeg"):
+    if fmt not in FORMATS:
         raise BadInput(
-            f"make-data --format {fmt!r}: must be 'png' or 'jpeg'.", "pass --format png.", setting="--format", value=fmt
+            f"make-data --format {fmt!r}: must be one of {', '.join(FORMATS)}.",
+            "pass --format png.",
+            setting="--format",
+            value=fmt,
         )
+    if shard_size < 1:
+        raise BadInput(
+            f"make-data --shard-size {shard_size}: must be >= 1.",
+            "pass --shard-size 256.",
+            setting="--shard-size",
+            value=shard_size,
+        )
+
+
+def _encode(image: np.ndarray, fmt: str) -> bytes:
+    """One image file's bytes: PNG (also inside WebDataset shards) or JPEG quality 95."""
+    buf = io.BytesIO()
+    if fmt == "jpeg":
+        Image.fromarray(image).save(buf, format="JPEG", quality=95)
+    else:
+        Image.fromarray(image).save(buf, format="PNG", optimize=False)
+    return buf.getvalue()
+
+
+def _split_images(
+    seed: int, split_id: int, classes: int, n: int, size: int, fmt: str
+) -> Iterator[tuple[int, int, bytes]]:
+    """(class, index, file bytes) of one split, class by class; each image from its own seeded generator."""
+    for c in range(classes):
+        for i in range(n):
+            rng = np.random.default_rng([seed, split_id, c, i])
+            yield c, i, _encode(render_image(c, size, rng), fmt)
+
+
+def _write_split(tmp: Path, split: str, images: Iterator[tuple[int, int, bytes]], fmt: str, shard_size: int) -> None:
+    if fmt == "webdataset":
+        samples = [(f"{class_name(c)}/{i:06d}", ".png", data, c) for c, i, data in images]
+        names = sorted({class_name(c) for _, _, _, c in samples})
+        shard_format.write_split(tmp, split, samples, shard_size, names)
+        return
+    ext = "png" if fmt == "png" else "jpg"
+    for c, i, data in images:
+        d = tmp / split / class_name(c)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:06d}.{ext}").write_bytes(data)
 
 
 def make_dataset(
@@ -143,17 +195,19 @@ def make_dataset(
     size: int,
     seed: int = 0,
     val_per_class: int | None = None,
-    fmt: Literal["png", "jpeg"] = "png",
+    fmt: Literal["png", "jpeg", "webdataset"] = "png",
+    shard_size: int = 256,
 ) -> None:
     """Write the dataset to ``out`` atomically (see the module docstring).
 
-    ``val_per_class`` defaults to ``max(1, per_class // 4)``. If ``out`` already holds a set made with
+    ``val_per_class`` defaults to ``max(1, per_class // 4)``; ``shard_size`` (samples per shard) applies to
+    ``fmt="webdataset"`` only. If ``out`` already holds a set made with
     the same arguments this returns without writing; any other existing ``out`` is a BadInput.
     """
     out = Path(out)
     if val_per_class is None:
         val_per_class = max(1, per_class // 4)
-    _check_args(classes, per_class, size, val_per_class, fmt)
+    _check_args(classes, per_class, size, val_per_class, fmt, shard_size)
     args = {
         "classes": classes,
         "per_class": per_class,
@@ -163,24 +217,16 @@ def make_dataset(
         "format": fmt,
         "version": _FORMAT_VERSION,
     }
+    if fmt == "webdataset":
+        args["shard_size"] = shard_size
     if out.exists() or out.is_symlink():
         _check_existing(out, args)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        ext = "png" if fmt == "png" else "jpg"
-        for split_id, (split, n) in enumerate((("train", per_class), ("val", val_per_class))):
-            for c in range(classes):
-                d = tmp / split / class_name(c)
-                d.mkdir(parents=True)
-                for i in range(n):
-                    rng = np.random.default_rng([seed, split_id, c, i])
-                    img = Image.fromarray(render_image(c, size, rng))
-                    if fmt == "png":
-                        img.save(d / f"{i:06d}.{ext}", format="PNG", optimize=False)
-                    else:
-                        img.save(d / f"{i:06d}.{ext}", format="JPEG", quality=95)
+        for split_id, (split, n) in enumerate(zip(shard_format.SPLITS, (per_class, val_per_class))):
+            _write_split(tmp, split, _split_images(seed, split_id, classes, n, size, fmt), fmt, shard_size)
         # The manifest is written last: its presence means every image above is there.
         (tmp / MANIFEST).write_text(json.dumps(args, indent=1, sort_keys=True) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the set is meant to be shared (e.g. containers)
@@ -222,7 +268,9 @@ def _check_existing(out: Path, args: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddp-job make-data",
-        description="Write a learnable ImageFolder of coloured shapes: OUT/train/<class>/*, OUT/val/<class>/*.",
+        description="Write a learnable dataset of coloured shapes: an ImageFolder OUT/train/<class>/*, "
+        "OUT/val/<class>/*, or (--format webdataset) the same PNGs as shards OUT/train-NNNNNN.tar + OUT/train.json, "
+        "OUT/val-NNNNNN.tar + OUT/val.json.",
     )
     p.add_argument("--out", type=Path, required=True, help="directory to create (must not exist, or hold the same set)")
     p.add_argument("--classes", type=int, default=10, help=f"number of classes, 1..{MAX_CLASSES} (default 10)")
@@ -230,7 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
     p.add_argument("--val-per-class", type=int, default=None, help="validation images per class (default per-class/4)")
     p.add_argument("--seed", type=int, default=0, help="seed: same arguments give byte-identical files (default 0)")
-    p.add_argument("--format", choices=("png", "jpeg"), default="png", help="image format (default png)")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="png",
+        help="png or jpeg ImageFolder, or webdataset (PNG shards) (default png)",
+    )
+    p.add_argument(
+        "--shard-size", type=int, default=256, help="samples per shard with --format webdataset (default 256)"
+    )
     return p
 
 
@@ -238,7 +294,7 @@ def make_data_main(argv: list[str]) -> int:
     """Entry point of ``ddp-job make-data``; returns the exit code (0 ok, 2 bad input)."""
     a = build_parser().parse_args(argv)
     try:
-        make_dataset(a.out, a.classes, a.per_class, a.size, a.seed, a.val_per_class, a.format)
+        make_dataset(a.out, a.classes, a.per_class, a.size, a.seed, a.val_per_class, a.format, a.shard_size)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,6 +47,9 @@ from job.data.workers import (
     unreadable_image,
 )
 from job.errors import BadInput, DataStall, JobError
+
+if TYPE_CHECKING:
+    from job.data.shards import ShardLayout
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -122,14 +125,19 @@ def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str,
     return classes, samples
 
 
-def validate_data(cfg: DataConfig) -> DataLayout | None:
+def validate_data(cfg: DataConfig) -> DataLayout | ShardLayout | None:
     """Cheap checks before any process group or device work: paths, class folders, counts.
 
-    Lists directories but decodes nothing. Returns None for the synthetic source (nothing to check).
+    Lists directories but decodes nothing. Returns None for the synthetic source (nothing to check), a
+    ShardLayout for WebDataset shards (job.data.shards.validate_shards: it also decodes a few samples).
     Raises BadInput naming the setting or file, the bad value and the fix.
     """
     if cfg.source == "synthetic":
         return None
+    if cfg.source == "webdataset":
+        from job.data.shards import validate_shards  # imported here: job.data.shards builds on this module
+
+        return validate_shards(cfg)
     if not cfg.path.is_dir():
         what = "is not a directory" if cfg.path.exists() else "does not exist"
         raise BadInput(
@@ -155,14 +163,19 @@ def validate_data(cfg: DataConfig) -> DataLayout | None:
 
 
 # ---------------------------------------------------------------------------------------- dataset
-def decode(path: str) -> torch.Tensor:
-    """Read and decode one image file to a uint8 RGB CHW tensor; BadInput naming the file otherwise."""
+def pil_to_tensor(file: str | IO[bytes]) -> torch.Tensor:
+    """Decode one image file (a path or an open file) to a uint8 RGB CHW tensor; PIL's error otherwise."""
     # PIL, not torchvision.io.decode_image: the latter segfaulted (killing the worker, losing the file
     # name) on a PNG with flipped bytes here, while PIL raises for truncated and corrupt PNG and JPEG.
+    with Image.open(file) as im:
+        array = np.asarray(im.convert("RGB"))
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def decode(path: str) -> torch.Tensor:
+    """Read and decode one image file to a uint8 RGB CHW tensor; BadInput naming the file otherwise."""
     try:
-        with Image.open(path) as im:
-            array = np.asarray(im.convert("RGB"))
-        return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+        return pil_to_tensor(path)
     except Exception as e:
         raise unreadable_image(path, e) from None
 
@@ -183,10 +196,14 @@ class ImageFiles(Dataset):
         except JobError as err:
             return WorkerFailure(err)
 
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample ``index`` decoded, before any transform (job.data.shards.ShardImages reads it from a shard)."""
+        path, label = self.samples[index]
+        return decode(path), label
+
     def __getitem__(self, key: tuple[int, int] | int) -> tuple[torch.Tensor, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        path, label = self.samples[index]
-        img = decode(path)
+        img, label = self.load(index)
         if self.transform is None:
             return img, label
         if not self.random:
@@ -298,7 +315,11 @@ class Loaders:
 
 
 def check_train_size(
-    cfg: DataConfig, layout: DataLayout | None, world_size: int, micro_batch_size: int, grad_accum_steps: int
+    cfg: DataConfig,
+    layout: DataLayout | ShardLayout | None,
+    world_size: int,
+    micro_batch_size: int,
+    grad_accum_steps: int,
 ) -> None:
     """At least one global batch in the training set (``layout`` from validate_data; None: synthetic).
 
@@ -306,8 +327,10 @@ def check_train_size(
         BadInput: naming the data setting, the sample count and the batch arithmetic.
     """
     n, setting, value = cfg.synthetic_train_size, "data.synthetic_train_size", str(cfg.synthetic_train_size)
-    if layout is not None:
+    if isinstance(layout, DataLayout):
         n, setting, value = len(layout.train), "data.path", str(cfg.path)
+    elif layout is not None:  # WebDataset shards: the setting that named them
+        n, setting, value = len(layout.train), layout.train.setting, layout.train.source
     sampler = ResumableSampler(n, 0, world_size, micro_batch_size, 0, grad_accum_steps)
     if sampler.batches_per_epoch == 0:
         raise BadInput(
@@ -352,14 +375,7 @@ def build_loaders(
             timeout=cfg.loader_timeout_s,
         )
     on_device = _decodes_on_device(cfg, layout, device, rank)
-    if on_device:
-        train_ds: Dataset = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
-        val_ds: Dataset = EncodedFiles(layout.val, cfg.image_size, seed, random=False)
-        kw["collate_fn"] = collate_encoded
-    else:
-        train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
-        val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
-        kw["collate_fn"] = collate
+    train_ds, val_ds, kw["collate_fn"] = _datasets(cfg, layout, seed, on_device)
     train = WorkerTrackingLoader(
         train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=_generator(seed), **kw
     )
@@ -372,21 +388,36 @@ def build_loaders(
     return Loaders(CleanErrors(train), sampler, CleanErrors(val), info, decodes_on_device=on_device)
 
 
+def _datasets(
+    cfg: DataConfig, layout: DataLayout | ShardLayout, seed: int, on_device: bool
+) -> tuple[Dataset, Dataset, Any]:
+    """Train and val datasets of a validated layout, and their collate function."""
+    if not isinstance(layout, DataLayout):
+        from job.data.shards import shard_datasets  # imported here: job.data.shards builds on this module
+
+        return (*shard_datasets(cfg, layout, seed), collate)
+    if on_device:
+        train: Dataset = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
+        return train, EncodedFiles(layout.val, cfg.image_size, seed, random=False), collate_encoded
+    train = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
+    return train, ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False), collate
+
+
 def _generator(seed: int) -> torch.Generator:
     # One per loader: DataLoader draws a worker base seed from it on every iter(), which would otherwise
     # advance the main process's global RNG (or the other loader's) and break exact resume.
     return torch.Generator().manual_seed(seed)
 
 
-def decode_choice(cfg: DataConfig, layout: DataLayout | None, cuda: bool) -> device_decode.DecodeChoice:
+def decode_choice(cfg: DataConfig, layout: DataLayout | ShardLayout | None, cuda: bool) -> device_decode.DecodeChoice:
     """Where this run decodes (job.data.device_decode.choose_decode); BadInput where data.decode cannot be met."""
     files: list[str] = []
-    if layout is not None:
+    if isinstance(layout, DataLayout):
         files = [path for path, _ in layout.train + layout.val]
     return device_decode.choose_decode(cfg, files, cuda, device_decode.has_torchcodec())
 
 
-def _decodes_on_device(cfg: DataConfig, layout: DataLayout, device: torch.device, rank: int) -> bool:
+def _decodes_on_device(cfg: DataConfig, layout: DataLayout | ShardLayout, device: torch.device, rank: int) -> bool:
     choice = decode_choice(cfg, layout, device.type == "cuda")
     if rank == 0:
         where = "the workers (PIL)"

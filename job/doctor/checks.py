@@ -315,7 +315,7 @@ def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) 
 
 def check_data(cfg: JobConfig) -> Check:
     """Path, class folders and count (job.data.loaders.validate_data), and one file actually readable."""
-    from job.data.loaders import validate_data
+    from job.data.loaders import DataLayout, validate_data
 
     try:
         layout = validate_data(cfg.data)
@@ -323,6 +323,8 @@ def check_data(cfg: JobConfig) -> Check:
         return Check("storage.data", FAIL, e.what, e.fix or "fix data.path / data.num_classes")
     if layout is None:
         return Check("storage.data", PASS, "data.source=synthetic: nothing to read")
+    if not isinstance(layout, DataLayout):  # WebDataset shards: validate_data decoded the first samples already
+        return Check("storage.data", PASS, f"{layout.describe()}; first samples readable")
     path = layout.train[0][0]
     try:
         with open(path, "rb") as f:
