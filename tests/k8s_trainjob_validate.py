@@ -1,7 +1,7 @@
 """Offline validation of the Kubeflow Trainer v2 manifests (TrainJob + TrainingRuntime), as a cluster would do it.
 
 The same three gates as tests/k8s_validate.py for the PyTorchJob, from the v2.3.0 sources
-(/work/shared/k8s/trainer-v2/BEHAVIOUR.md):
+(kubeflow/trainer tag v2.3.0, kubernetes-sigs/jobset v0.12.0):
 
 1. the API server: TrainJob and TrainingRuntime against their CRDs' ``openAPIV3Schema``
    (``tests/data/k8s/``), unknown fields rejected, plus the CRDs' CEL rules that apply on creation;

@@ -276,3 +276,23 @@ def test_jobset_restart_of_all_pods_resumes(reference: dict, tmp_path: Path) -> 
     resumed = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)", sim.log(NODE0))]
     assert len(resumed) == 2 and len(set(resumed)) == 1 and resumed[0] >= _config(sim)["ckpt"]["every"]
     _assert_same_params(_run_dir(sim), reference["run_dir"])
+
+
+def test_doctor_in_a_trainjob(tmp_path: Path) -> None:
+    """cpu-smoke with spec.trainer.args starting ["--", "doctor", ...] (docs/kubernetes.md): the preflight
+    checks pass in both pods, the rendezvous check resolves the JobSet name of node 0, and the report
+    on the PVC names both pods."""
+    docs = kv.render(OVERLAYS / "cpu-smoke")
+    trainer = next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]
+    assert trainer["args"][0] == "--", trainer
+    trainer["args"] = ["--", "doctor", *trainer["args"][1:]]
+    with ts.TrainJobSimulation(docs, tmp_path) as sim:
+        sim.start()
+        assert sim.wait(TIMEOUT) == ts.COMPLETE
+    log0 = sim.log(NODE0)
+    assert all(p.exit_codes == [0] for p in sim.pods.values()), [p.exit_codes for p in sim.pods.values()]
+    assert "FAIL " not in log0 + sim.log(NODE1) and "doctor: 0 FAIL" in log0, log0[-4000:]
+    assert re.search(r"PASS rendezvous\s+MASTER_ADDR=ddp-smoke-node-0-0\.ddp-smoke MASTER_PORT=29500 resolves", log0)
+    report = json.loads((_run_dir(sim) / "doctor.json").read_text())
+    assert report["world_size"] == 4 and {r["host"] for r in report["ranks"]} == {NODE0, NODE1}
+    assert not list(_run_dir(sim).glob("step-*")), "doctor must not train"
