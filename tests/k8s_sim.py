@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"
@@ -47,6 +48,20 @@ IMAGE_ENV = {"PATH": f"{IMAGE_VENV}/bin:{IMAGE_PATH}", "PYTHONPATH": IMAGE_SRC, 
 NAMESPACE, CLUSTER_DOMAIN = "default", "cluster.local"
 RETRYABLE = 128  # ExitCode policy: exit codes >= 128 are retried (§4)
 EVICTED = 0xBEEF  # the operator's sentinel when no terminated state is found
+
+
+@dataclass(frozen=True)
+class Network:
+    """One simulated cluster network: its bridge, the prefix of its namespaces and veths, its /24. Two
+    simulations with different networks can run at once (teardown removes only its own)."""
+
+    bridge: str
+    ns_prefix: str
+    veth_prefix: str
+    subnet: str  # the first three octets
+
+
+OPERATOR_NET = Network(BRIDGE, NS_PREFIX, "k8s", PREFIX)
 
 
 # ----------------------------------------------------------------------------- pure operator logic
@@ -226,33 +241,14 @@ class Simulation:
     def __enter__(self) -> Simulation:
         teardown(quiet=True)  # a previous run killed hard may have left its namespaces
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        _ip("link", "add", BRIDGE, "type", "bridge")
-        _ip("link", "set", BRIDGE, "up")  # no address: the host cannot reach 10.232.0.0/24
+        make_bridge()
         for pod in self.pods.values():
-            ns = pod.netns
-            _ip("netns", "add", ns)
-            _ip("link", "add", f"k8sv{pod.veth}", "type", "veth", "peer", "name", f"k8sp{pod.veth}")
-            _ip("link", "set", f"k8sv{pod.veth}", "master", BRIDGE, "up")
-            _ip("link", "set", f"k8sp{pod.veth}", "netns", ns)
-            _ip("-n", ns, "link", "set", f"k8sp{pod.veth}", "name", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
-            Path(f"/etc/netns/{ns}/resolv.conf").write_text("")  # no DNS server: lookups stay local
-            Path(f"/etc/netns/{ns}/hosts").write_text("")
+            make_pod_network(pod)
         for pod in self.pods.values():
             self._assign_ip(pod)
         self.image = image_mounts(self.venv, image_bin(self.venv, self.workdir / "image" / "bin"))
-        targets = {
-            m["mountPath"]
-            for rs in self.types.values()
-            for c in rs["template"]["spec"]["containers"]
-            for m in c.get("volumeMounts") or []
-        }
-        for mount in sorted(targets | {IMAGE_SRC, IMAGE_VENV}):
-            if not Path(mount).exists():  # bind-mount targets must exist on the host's filesystem
-                Path(mount).mkdir(parents=True)
-                self._made_dirs.append(Path(mount))
+        containers = [c for rs in self.types.values() for c in rs["template"]["spec"]["containers"]]
+        self._made_dirs = make_mount_targets(containers)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -271,10 +267,8 @@ class Simulation:
 
     def _assign_ip(self, pod: Pod) -> None:
         """A new pod gets a new IP (a restarted container keeps its pod's)."""
-        pod.ip = f"{PREFIX}.{self._next_ip}"
+        set_pod_ip(pod, f"{PREFIX}.{self._next_ip}")
         self._next_ip += 1
-        _ip("-n", pod.netns, "addr", "flush", "dev", "eth0")
-        _ip("-n", pod.netns, "addr", "add", f"{pod.ip}/24", "dev", "eth0")
         self._publish()
 
     def _publish(self) -> None:
@@ -285,11 +279,7 @@ class Simulation:
             for pod in self.pods.values():
                 lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}"]
                 lines += [f"{p.ip} {p.name} {p.name}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}" for p in ready if p is not pod]
-                try:
-                    with open(f"/etc/netns/{pod.netns}/hosts", "r+") as f:
-                        f.truncate(0)
-                        f.write("\n".join(lines) + "\n")
-                except FileNotFoundError:  # torn down while a kubelet thread was still finishing
+                if not write_hosts(pod, lines):
                     return
 
     def _event(self, pod: str, what: str) -> None:
@@ -303,35 +293,8 @@ class Simulation:
 
     def _spec(self, pod: Pod, run: int) -> dict:
         tmpl, c = self._container(pod)
-        volumes = {v["name"]: v for v in tmpl.get("volumes") or []}
-        mounts = list(self.image)
-        for m in c.get("volumeMounts") or []:
-            vol = volumes[m["name"]]
-            if "configMap" in vol:
-                src = self.workdir / "configmaps" / vol["configMap"]["name"]
-                src.mkdir(parents=True, exist_ok=True)
-                for key, text in self.config_maps[vol["configMap"]["name"]].items():
-                    (src / key).write_text(text)
-                mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": True})
-            elif "persistentVolumeClaim" in vol:
-                src = self.workdir / "pvc" / vol["persistentVolumeClaim"]["claimName"]
-                src.mkdir(parents=True, exist_ok=True)
-                mounts.append(
-                    {"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": bool(m.get("readOnly"))}
-                )
-            elif vol.get("emptyDir", {}).get("medium") == "Memory":
-                mounts.append(
-                    {"kind": "tmpfs", "target": m["mountPath"], "size": _tmpfs_size(vol["emptyDir"].get("sizeLimit"))}
-                )
-            elif "emptyDir" in vol:  # survives container restarts, not a new pod
-                src = self.workdir / "pods" / f"{pod.name}.{pod.generation}" / m["name"]
-                src.mkdir(parents=True, exist_ok=True)
-                mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"]})
-            else:
-                raise ValueError(
-                    f"{pod.name}: volume {m['name']!r} {vol}: the simulation supports "
-                    "configMap, persistentVolumeClaim and emptyDir"
-                )
+        pod_dir = self.workdir / "pods" / f"{pod.name}.{pod.generation}"
+        mounts = self.image + volume_mounts(pod.name, c, tmpl, self.config_maps, self.workdir, pod_dir)
         env = {**IMAGE_ENV, "HOSTNAME": pod.name}
         for e in c.get("env") or []:  # the user's env first ...
             if "value" not in e and "valueFrom" in e:
@@ -374,18 +337,9 @@ class Simulation:
             spec = self._spec(pod, run)
             spec_path = Path(spec["pid_file"]).with_suffix(".json")
             spec_path.write_text(json.dumps(spec))
-            log = open(self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log", "w")  # noqa: SIM115 (closed when the pod's process exits)
-            proc = subprocess.Popen(
-                ["ip", "netns", "exec", pod.netns, sys.executable, str(POD_SHIM), str(spec_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={"PATH": IMAGE_PATH},
-                start_new_session=True,
+            proc, log = start_container(
+                pod, spec_path, self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log"
             )
-            pid_file = Path(spec["pid_file"])  # the shim creates it first and writes the PID after the fork
-            while proc.poll() is None and not (pid_file.exists() and pid_file.read_text()):
-                time.sleep(0.01)
-            pod.pid1 = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text() else None
             pod.phase, pod.ready = "Running", True  # no readiness probe: Ready once started
             self._publish()
             self._event(pod.name, f"started ip={pod.ip} run={run}")
@@ -519,15 +473,120 @@ class Simulation:
         return "".join(f.read_text(errors="replace") for f in files)
 
 
+# ----------------------------------------------------------------------------- kubelet and CNI parts
+def make_bridge(net: Network = OPERATOR_NET) -> None:
+    _ip("link", "add", net.bridge, "type", "bridge")
+    _ip("link", "set", net.bridge, "up")  # no address: the host cannot reach the pods' /24
+
+
+def make_pod_network(pod: Pod, net: Network = OPERATOR_NET) -> None:
+    """The pod's network namespace on the bridge, with its own (empty) hosts and resolv.conf files."""
+    ns, host_end, pod_end = pod.netns, f"{net.veth_prefix}v{pod.veth}", f"{net.veth_prefix}p{pod.veth}"
+    _ip("netns", "add", ns)
+    _ip("link", "add", host_end, "type", "veth", "peer", "name", pod_end)
+    _ip("link", "set", host_end, "master", net.bridge, "up")
+    _ip("link", "set", pod_end, "netns", ns)
+    _ip("-n", ns, "link", "set", pod_end, "name", "eth0")
+    _ip("-n", ns, "link", "set", "eth0", "up")
+    _ip("-n", ns, "link", "set", "lo", "up")
+    Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
+    Path(f"/etc/netns/{ns}/resolv.conf").write_text("")  # no DNS server: lookups stay local
+    Path(f"/etc/netns/{ns}/hosts").write_text("")
+
+
+def set_pod_ip(pod: Pod, ip: str) -> None:
+    pod.ip = ip
+    _ip("-n", pod.netns, "addr", "flush", "dev", "eth0")
+    _ip("-n", pod.netns, "addr", "add", f"{ip}/24", "dev", "eth0")
+
+
+def write_hosts(pod: Pod, lines: list[str]) -> bool:
+    """Rewrite the pod's /etc/hosts in place (it is bind-mounted into its running containers); False
+    once the namespace is torn down (a kubelet thread may still be finishing)."""
+    try:
+        with open(f"/etc/netns/{pod.netns}/hosts", "r+") as f:
+            f.truncate(0)
+            f.write("\n".join(lines) + "\n")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def make_mount_targets(containers: list[dict]) -> list[Path]:
+    """Bind-mount targets must exist on the host's filesystem: create the missing ones (to remove later)."""
+    targets = {m["mountPath"] for c in containers for m in c.get("volumeMounts") or []}
+    made = []
+    for mount in sorted(targets | {IMAGE_SRC, IMAGE_VENV}):
+        if not Path(mount).exists():
+            Path(mount).mkdir(parents=True)
+            made.append(Path(mount))
+    return made
+
+
+def volume_mounts(
+    pod_name: str, c: dict, pod_spec: dict, config_maps: dict[str, dict], workdir: Path, pod_dir: Path
+) -> list[dict]:
+    """The container's volumeMounts as tests/k8s_pod.py mounts: ConfigMaps read-only directories, PVCs one
+    shared directory each, ``emptyDir: {medium: Memory}`` a size-limited tmpfs, other emptyDirs a
+    directory of this pod (``pod_dir``: it survives container restarts, not a new pod)."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    mounts: list[dict] = []
+    for m in c.get("volumeMounts") or []:
+        vol = volumes[m["name"]]
+        if "configMap" in vol:
+            src = workdir / "configmaps" / vol["configMap"]["name"]
+            src.mkdir(parents=True, exist_ok=True)
+            for key, text in config_maps[vol["configMap"]["name"]].items():
+                (src / key).write_text(text)
+            mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": True})
+        elif "persistentVolumeClaim" in vol:
+            src = workdir / "pvc" / vol["persistentVolumeClaim"]["claimName"]
+            src.mkdir(parents=True, exist_ok=True)
+            mounts.append(
+                {"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": bool(m.get("readOnly"))}
+            )
+        elif vol.get("emptyDir", {}).get("medium") == "Memory":
+            mounts.append(
+                {"kind": "tmpfs", "target": m["mountPath"], "size": _tmpfs_size(vol["emptyDir"].get("sizeLimit"))}
+            )
+        elif "emptyDir" in vol:
+            src = pod_dir / m["name"]
+            src.mkdir(parents=True, exist_ok=True)
+            mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"]})
+        else:
+            raise ValueError(
+                f"{pod_name}: volume {m['name']!r} {vol}: the simulation supports configMap, persistentVolumeClaim and emptyDir"
+            )
+    return mounts
+
+
+def start_container(pod: Pod, spec_path: Path, log_path: Path) -> tuple[subprocess.Popen, IO[str]]:
+    """Start one container run (tests/k8s_pod.py in the pod's netns); returns once its PID 1 is known
+    (``pod.pid1``) or it has already exited. The caller closes the log after the process exits."""
+    log = open(log_path, "w")  # noqa: SIM115 (closed when the pod's process exits)
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", pod.netns, sys.executable, str(POD_SHIM), str(spec_path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={"PATH": IMAGE_PATH},
+        start_new_session=True,
+    )
+    pid_file = spec_path.with_suffix(".pid")  # the shim creates it first and writes the PID after the fork
+    while proc.poll() is None and not (pid_file.exists() and pid_file.read_text()):
+        time.sleep(0.01)
+    pod.pid1 = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text() else None
+    return proc, log
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def teardown(quiet: bool = False) -> None:
-    """Remove every k8s-* namespace (killing what runs there), their hosts files, veths and the bridge."""
+def teardown(quiet: bool = False, net: Network = OPERATOR_NET) -> None:
+    """Remove every namespace of ``net`` (killing what runs there), their hosts files, veths and the bridge."""
     for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n"):
         ns = ns.split(" ")[0]
-        if not ns.startswith(NS_PREFIX):
+        if not ns.startswith(net.ns_prefix):
             continue
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         for pid in pids:  # only processes we started live in our namespaces
@@ -537,10 +596,10 @@ def teardown(quiet: bool = False) -> None:
                 pass
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    subprocess.run(["ip", "link", "del", net.bridge], capture_output=True)
     for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines():
         name = line.split(": ")[1].split("@")[0] if ": " in line else ""
-        if re.fullmatch(r"k8sv\d+", name):
+        if re.fullmatch(rf"{net.veth_prefix}v\d+", name):
             subprocess.run(["ip", "link", "del", name], capture_output=True)
     try:
         Path("/etc/netns").rmdir()

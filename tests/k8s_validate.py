@@ -298,7 +298,6 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
     nproc = spec.get("nprocPerNode")
     run_policy = spec.get("runPolicy") or {}
     elastic = spec.get("elasticPolicy")
-    by_kind = {(d.get("kind"), d.get("metadata", {}).get("name")): d for d in docs}
     if not (isinstance(nproc, str) and nproc.isdigit() and int(nproc) >= 1):
         errs.append(
             f"spec.nprocPerNode={nproc!r}: write the processes per pod as a quoted integer, "
@@ -356,41 +355,59 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
                 f"{where}: declare the rendezvous port with name 'pytorchjob-port' "
                 "(the operator takes MASTER_PORT from that name)"
             )
-        volumes = {v["name"]: v for v in pod.get("volumes") or []}
-        shm = [src for path, src in _mount_for(c, volumes, "emptyDir") if path == "/dev/shm"]
-        if not shm or shm[0].get("medium") != "Memory":
+        errs += storage_errors(where, c, pod, cmd, docs)
+        errs += security_errors(where, c, pod, "pytorch")
+    return errs
+
+
+def _config_errors(where: str, cmd: list[str], cms: list, pvcs: list, by_kind: dict) -> list[str]:
+    """``--config`` names a key of a mounted ConfigMap whose run.output_dir is on a mounted PVC."""
+    errs = []
+    for mount, src in cms:
+        cm = by_kind.get(("ConfigMap", src["name"]))
+        if cm is None:
+            errs.append(f"{where}: ConfigMap {src['name']!r} is not in the rendered manifests")
+            continue
+        cfg_arg = cmd[cmd.index("--config") + 1] if "--config" in cmd else None
+        key = cfg_arg[len(mount) + 1 :] if cfg_arg and cfg_arg.startswith(mount + "/") else None
+        if key is None or key not in (cm.get("data") or {}):
+            errs.append(f"{where}: --config {cfg_arg!r} is not a key of ConfigMap {src['name']!r} mounted at {mount}")
+            continue
+        out_dir = str((yaml.safe_load(cm["data"][key]).get("run") or {}).get("output_dir", ""))
+        if not any(out_dir == p or out_dir.startswith(p + "/") for p, _ in pvcs):
             errs.append(
-                f"{where}: mount an emptyDir with medium: Memory at /dev/shm (the runtime "
-                "default is 64 MiB; DataLoader workers fail: pytorch#16979)"
+                f"{where}: run.output_dir={out_dir!r} in {key} is not on the shared "
+                f"volume ({[p for p, _ in pvcs]}): checkpoints would die with the pod"
             )
-        pvcs = _mount_for(c, volumes, "persistentVolumeClaim")
-        for _, src in pvcs:
-            if ("PersistentVolumeClaim", src["claimName"]) not in by_kind:
-                errs.append(f"{where}: PVC {src['claimName']!r} is not in the rendered manifests")
-        cms = _mount_for(c, volumes, "configMap")
-        for mount, src in cms:
-            cm = by_kind.get(("ConfigMap", src["name"]))
-            if cm is None:
-                errs.append(f"{where}: ConfigMap {src['name']!r} is not in the rendered manifests")
-                continue
-            cfg_arg = cmd[cmd.index("--config") + 1] if "--config" in cmd else None
-            key = cfg_arg[len(mount) + 1 :] if cfg_arg and cfg_arg.startswith(mount + "/") else None
-            if key is None or key not in (cm.get("data") or {}):
-                errs.append(
-                    f"{where}: --config {cfg_arg!r} is not a key of ConfigMap {src['name']!r} mounted at {mount}"
-                )
-                continue
-            out_dir = str((yaml.safe_load(cm["data"][key]).get("run") or {}).get("output_dir", ""))
-            if not any(out_dir == p or out_dir.startswith(p + "/") for p, _ in pvcs):
-                errs.append(
-                    f"{where}: run.output_dir={out_dir!r} in {key} is not on the shared "
-                    f"volume ({[p for p, _ in pvcs]}): checkpoints would die with the pod"
-                )
-        psc, csc = pod.get("securityContext") or {}, c.get("securityContext") or {}
-        if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
-            errs.append(f"{where}: set securityContext.runAsNonRoot: true")
-        if csc.get("allowPrivilegeEscalation") is not False or csc.get("privileged"):
-            errs.append(f"{where}: set the pytorch container's securityContext.allowPrivilegeEscalation: false")
+    return errs
+
+
+def storage_errors(where: str, c: dict, pod: dict, cmd: list[str], docs: list[dict]) -> list[str]:
+    """The training container's volumes: /dev/shm in memory, the PVC and ConfigMap it mounts exist in
+    the rendered set, and the config it reads writes its run directory onto the shared volume."""
+    errs = []
+    by_kind = {(d.get("kind"), d.get("metadata", {}).get("name")): d for d in docs}
+    volumes = {v["name"]: v for v in pod.get("volumes") or []}
+    shm = [src for path, src in _mount_for(c, volumes, "emptyDir") if path == "/dev/shm"]
+    if not shm or shm[0].get("medium") != "Memory":
+        errs.append(
+            f"{where}: mount an emptyDir with medium: Memory at /dev/shm (the runtime "
+            "default is 64 MiB; DataLoader workers fail: pytorch#16979)"
+        )
+    pvcs = _mount_for(c, volumes, "persistentVolumeClaim")
+    for _, src in pvcs:
+        if ("PersistentVolumeClaim", src["claimName"]) not in by_kind:
+            errs.append(f"{where}: PVC {src['claimName']!r} is not in the rendered manifests")
+    return errs + _config_errors(where, cmd, _mount_for(c, volumes, "configMap"), pvcs, by_kind)
+
+
+def security_errors(where: str, c: dict, pod: dict, container: str) -> list[str]:
+    errs = []
+    psc, csc = pod.get("securityContext") or {}, c.get("securityContext") or {}
+    if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+        errs.append(f"{where}: set securityContext.runAsNonRoot: true")
+    if csc.get("allowPrivilegeEscalation") is not False or csc.get("privileged"):
+        errs.append(f"{where}: set the {container} container's securityContext.allowPrivilegeEscalation: false")
     return errs
 
 

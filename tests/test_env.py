@@ -4,11 +4,15 @@ The Slurm and PyTorchJob environments below are not invented: the Slurm ones wer
 Slurm 22.05 cluster (tests/infra/slurm-cluster.sh, 2 nodes n1 n2, `sbatch --nodes=2 --ntasks-per-node=2`
 then `env` in the batch script and in srun steps); the PyTorchJob ones follow the operator's injection
 table in /work/shared/k8s/OPERATOR-BEHAVIOUR.md section 3 (variables in the order the operator appends
-them). The torchrun variables are proved by test_real_torchrun_workers at the end.
+them). The TrainJob ones (Kubeflow Trainer v2) are recorded from the pods of the Trainer v2 simulation
+(tests/data/k8s/trainjob-pod-env.json: the cpu-smoke TrainJob's two pods and a torchrun worker in one of
+them; tests/test_k8s_trainjob_sim.py checks that the simulated pods still carry exactly these). The
+torchrun variables are proved by test_real_torchrun_workers at the end.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,6 +116,12 @@ SRUN_ON_N2 = dict(
     SLURM_STEP_NODELIST="n2",
 )
 PORT1 = slurm_master_port("1")
+
+
+# --- TrainJob pods as Trainer v2's torch plugin and JobSet build them (recorded from the simulation) ---------
+TRAINJOB_ENV = json.loads((REPO / "tests" / "data" / "k8s" / "trainjob-pod-env.json").read_text())
+TJ_NODE0, TJ_NODE1 = TRAINJOB_ENV["ddp-smoke-node-0-0"], TRAINJOB_ENV["ddp-smoke-node-0-1"]
+TJ_MASTER = "ddp-smoke-node-0-0.ddp-smoke"
 
 
 # --- PyTorchJob pods as the operator builds them --------------------------------------------------------
@@ -230,6 +240,14 @@ VALID = {
         {"PYTHONUNBUFFERED": "1", "PET_NPROC_PER_NODE": "auto", "PET_NNODES": "1"},
         D(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "kubeflow"),
     ),
+    # TrainJob: torchrun's worker in node 1's pod (numProcPerNode 2), as recorded
+    "trainjob-torchrun-worker": (
+        TRAINJOB_ENV["ddp-smoke-node-0-1/local-rank-1"],
+        D(3, 1, 4, 2, 1, 2, TJ_MASTER, 29500, "torchrun"),
+    ),
+    # TrainJob with numProcPerNode 1 started as plain python: the completion index is the rank
+    "trainjob-node-0": ({**TJ_NODE0, "PET_NPROC_PER_NODE": "1"}, D(0, 0, 2, 1, 0, 2, TJ_MASTER, 29500, "trainjob")),
+    "trainjob-node-1": ({**TJ_NODE1, "PET_NPROC_PER_NODE": "1"}, D(1, 0, 2, 1, 1, 2, TJ_MASTER, 29500, "trainjob")),
     # srun, 2 nodes x 2 tasks (recorded)
     "srun-r0": (slurm_step(0, 0, 0, "n1"), D(0, 0, 4, 2, 0, 2, "n1", PORT1, "slurm")),
     "srun-r3": (slurm_step(3, 1, 1, "n2"), D(3, 1, 4, 2, 1, 2, "n1", PORT1, "slurm")),
@@ -272,7 +290,7 @@ def test_detect(name: str) -> None:
 
 
 def test_detection_order_is_the_documented_one() -> None:
-    assert [name for name, _, _ in DETECTION_ORDER] == ["torchrun", "env", "kubeflow", "slurm", "single"]
+    assert [name for name, _, _ in DETECTION_ORDER] == ["torchrun", "env", "trainjob", "kubeflow", "slurm", "single"]
 
 
 @pytest.mark.parametrize("name", [n for n, (_, e) in VALID.items() if e.launcher != "single"])
@@ -440,6 +458,21 @@ BAD = {
         ["WORLD_SIZE=5", "PET_NNODES=3", "Fix"],
     ),
     "pytorchjob-rank-too-big": (pytorchjob_pod(3, workers=2), ["RANK=3", "WORLD_SIZE=3"]),
+    # TrainJob pods as recorded run 2 processes each: plain python is one
+    "trainjob-nproc-2": (TJ_NODE1, ["PET_NPROC_PER_NODE='2'", "ddp-job launch"]),
+    "trainjob-nproc-auto": ({**TJ_NODE0, "PET_NPROC_PER_NODE": "auto"}, ["PET_NPROC_PER_NODE='auto'", "one per GPU"]),
+    "trainjob-index-edited": (
+        {**TJ_NODE1, "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "0"},
+        ["PET_NODE_RANK=0", "JOB_COMPLETION_INDEX=1", "Fix"],
+    ),
+    "trainjob-hostname-disagrees": (
+        {**TJ_NODE1, "PET_NPROC_PER_NODE": "1", "JOB_COMPLETION_INDEX": "0", "PET_NODE_RANK": "0"},
+        ["PET_NODE_RANK=0", "ddp-smoke-node-0-1", "JobSet index 1"],
+    ),
+    "trainjob-rank-outside": (
+        {**TJ_NODE1, "PET_NPROC_PER_NODE": "1", "PET_NNODES": "1"},
+        ["PET_NODE_RANK=1", "PET_NNODES=1"],
+    ),
     "srun-procid-not-int": (slurm_step(0, 0, 0, "n1", SLURM_PROCID="x"), ["SLURM_PROCID", "'x'", "srun"]),
     "srun-procid-ge-ntasks": (slurm_step(4, 0, 1, "n2"), ["SLURM_PROCID=4", "SLURM_STEP_NUM_TASKS=4"]),
     "srun-localid-ge-tasks-on-node": (

@@ -15,6 +15,10 @@ Variables verified against the real tools, not guessed:
   in a two-node job: SLURM_JOB_NODELIST=n[1-2], SLURM_STEP_NODELIST=n2), so the step variables win.
 * Kubeflow training operator v1.9: /work/shared/k8s/OPERATOR-BEHAVIOUR.md section 3 (RANK is the pod
   index, WORLD_SIZE = pods x nprocPerNode, PET_* are torchrun's option defaults).
+* Kubeflow Trainer v2.3 TrainJob (torch plugin on JobSet): only PET_NNODES, PET_NPROC_PER_NODE,
+  PET_NODE_RANK (the pod's Job completion index), PET_MASTER_ADDR=<job>-node-0-0.<job> and
+  PET_MASTER_PORT; no RANK/WORLD_SIZE/MASTER_*. The pod's hostname is <job>-node-0-<i> and the Job
+  controller sets JOB_COMPLETION_INDEX=<i> (recorded pod environments: tests/data/k8s/trainjob-pod-env.json).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 from job.errors import BadInput
 
-LAUNCHERS = ("torchrun", "env", "kubeflow", "slurm", "single")
+LAUNCHERS = ("torchrun", "env", "trainjob", "kubeflow", "slurm", "single")
 
 # Deterministic Slurm rendezvous ports: below Linux' ephemeral range (32768-60999, so a port picked by
 # the kernel for an outgoing connection never squats it), above the usual service ports, and clear of
@@ -365,6 +369,70 @@ def _from_kubeflow(environ: Mapping[str, str]) -> DistEnv:
 
 
 # ----------------------------------------------------------------------------------------------------
+# 3a. Kubeflow Trainer v2 TrainJob pod started with plain python (no torchrun in the container)
+
+# JobSet's pod hostname for completion index i of the trainer's only Job: <jobset>-node-0-<i>.
+_TRAINJOB_HOST = re.compile(r"^(?P<job>.+)-node-0-(?P<index>\d+)$")
+
+
+def _is_trainjob(environ: Mapping[str, str]) -> bool:
+    # The v1 operator sets RANK next to PET_NODE_RANK and PET_MASTER_ADDR; the torch plugin sets neither RANK nor MASTER_*.
+    return "PET_NODE_RANK" in environ and "PET_MASTER_ADDR" in environ and "RANK" not in environ
+
+
+def _trainjob_node_rank(environ: Mapping[str, str]) -> int:
+    """PET_NODE_RANK, which must agree with the completion index and the JobSet hostname when they are there."""
+    node_rank = _int(environ, "PET_NODE_RANK")
+    edited = "do not set PET_* in the TrainJob (the webhook rejects it) or the runtime; the torch plugin sets them."
+    if "JOB_COMPLETION_INDEX" in environ and _int(environ, "JOB_COMPLETION_INDEX") != node_rank:
+        raise BadInput(
+            f"PET_NODE_RANK={node_rank} but JOB_COMPLETION_INDEX={environ['JOB_COMPLETION_INDEX']}: the pod's env was edited.",
+            edited,
+            setting="PET_NODE_RANK",
+            value=node_rank,
+        )
+    host = _TRAINJOB_HOST.match(environ.get("HOSTNAME", ""))
+    job = environ["PET_MASTER_ADDR"].split(".", 1)[-1]
+    if host and host.group("job") == job and int(host.group("index")) != node_rank:
+        raise BadInput(
+            f"PET_NODE_RANK={node_rank} but this pod is {environ['HOSTNAME']} (JobSet index {host.group('index')}).",
+            edited,
+            setting="PET_NODE_RANK",
+            value=node_rank,
+        )
+    return node_rank
+
+
+def _from_trainjob(environ: Mapping[str, str]) -> DistEnv:
+    nproc_raw = environ.get("PET_NPROC_PER_NODE", "1").strip()
+    if nproc_raw != "1":
+        raise BadInput(
+            f"PET_NPROC_PER_NODE={nproc_raw!r}: this TrainJob pod should run that many processes (one per GPU for "
+            "'auto') but was started as one.",
+            _LAUNCH_FIX,
+            setting="PET_NPROC_PER_NODE",
+            value=nproc_raw,
+        )
+    nnodes = _int(environ, "PET_NNODES", minimum=1)
+    node_rank = _trainjob_node_rank(environ)
+    env = DistEnv(
+        rank=node_rank,
+        local_rank=0,
+        world_size=nnodes,
+        local_world_size=1,
+        node_rank=node_rank,
+        num_nodes=nnodes,
+        master_addr=environ["PET_MASTER_ADDR"],
+        master_port=_port(environ, "PET_MASTER_PORT") if "PET_MASTER_PORT" in environ else SINGLE_PORT,
+        launcher="trainjob",
+    )
+    return _check_layout(
+        env,
+        {"rank": "PET_NODE_RANK", "world_size": "PET_NNODES", "node_rank": "PET_NODE_RANK", "num_nodes": "PET_NNODES"},
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
 # 4. Slurm srun step, one task per process
 
 
@@ -502,6 +570,8 @@ DETECTION_ORDER: tuple[tuple[str, Callable[[Mapping[str, str]], bool], Callable[
     # An explicit RANK/WORLD_SIZE/LOCAL_RANK is a deliberate per-process statement (submitit exports it
     # inside srun steps, whose SLURM_* would agree anyway); it beats anything inferred.
     ("env", _is_env_contract, _from_env_contract),
+    # A TrainJob pod: PET_NODE_RANK/PET_MASTER_ADDR without RANK. Before the v1 rule, which PET_NNODES also matches.
+    ("trainjob", _is_trainjob, _from_trainjob),
     # The operator sets RANK/WORLD_SIZE (no LOCAL_RANK) per pod; PET_* marks them as pod-level.
     ("kubeflow", _is_kubeflow, _from_kubeflow),
     # srun tasks: after the above because `srun torchrun` and submitit's export also carry SLURM_*.

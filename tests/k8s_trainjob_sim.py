@@ -1,0 +1,404 @@
+"""Run a rendered TrainJob pod by pod, as Kubeflow Trainer v2.3.0, JobSet v0.12.0, the Job controller and
+the kubelet would (their behaviour read from the sources of those tags). The pods are those of tests/k8s_sim.py
+(one network namespace per pod with its own IP, hostname, /etc/hosts, mount and PID namespace, the
+image stand-in at /opt/ddp-job + /opt/venv), on a network of their own so that both simulations can
+run at once. What is Trainer v2 here:
+
+* the TrainJob's ``spec.trainer`` merged into the runtime's replicated job ``node``, container ``node``;
+  pods of one Indexed Job ``<job>-node-0``: pod i has hostname ``<job>-node-0-<i>``, subdomain
+  ``<job>`` (the headless Service), completion index i;
+* DNS as the headless Service gives it: every pod resolves ``<host>.<job>`` (and its FQDN) of the pods
+  whose container runs; its own hosts file also holds its own names, as the kubelet writes it;
+* the environment: the image's, ``HOSTNAME``, the runtime container's env, the TrainJob's env, the
+  torch plugin's ``PET_*`` (``torch_env``) and the Job controller's ``JOB_COMPLETION_INDEX``;
+* restarts: the pod's restartPolicy (kubelet, in place), the Job's backoffLimit and podFailurePolicy
+  (``pod_failure_action``), JobSet's failurePolicy (``jobset_action``): a restart deletes every pod,
+  waits for all of them to be gone (BlockingRecreate) and creates new ones with new IPs;
+* suspend: every pod deleted (SIGTERM, SIGKILL after terminationGracePeriodSeconds), the TrainJob kept;
+  resume: new pods, new IPs. A TrainJob created with ``spec.suspend: true`` starts no pod.
+
+Needs root, iproute2 and mount.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import k8s_sim as ks
+
+NET = ks.Network("tjbr0", "tj-", "tj", "10.233.0")
+TRAINER_JOB = "node"  # the replicated job and the container the torch plugin fills
+MASTER_PORT = 29500
+JOB_BACKOFF_DEFAULT = 6  # a Job's backoffLimit when unset
+GRACE_DEFAULT_S = 30
+COMPLETE, FAILED, RUNNING, SUSPENDED = "Complete", "Failed", "Running", "Suspended"
+
+
+# ----------------------------------------------------------------------------- pure controller logic
+def runtime_of(docs: list[dict], job: dict) -> dict:
+    ref = job["spec"]["runtimeRef"]
+    kind = ref.get("kind", "ClusterTrainingRuntime")
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == ref["name"])
+
+
+def trainer_job(runtime: dict) -> dict:
+    """The runtime's replicated job ``node`` (its Job template)."""
+    return next(r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"] if r["name"] == TRAINER_JOB)
+
+
+def num_nodes(job: dict, runtime: dict) -> int:
+    return int(job["spec"].get("trainer", {}).get("numNodes") or runtime["spec"]["mlPolicy"].get("numNodes") or 1)
+
+
+def hostnames(job: dict, runtime: dict) -> list[str]:
+    """JobSet's pod hostnames ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>``: one Job, numNodes pods."""
+    name = job["metadata"]["name"]
+    return [f"{name}-{TRAINER_JOB}-0-{i}" for i in range(num_nodes(job, runtime))]
+
+
+def nproc_per_node(trainer: dict) -> str:
+    """PET_NPROC_PER_NODE: numProcPerNode; unset ("auto"): with GPUs requested "auto" for torchrun, else
+    the CPU request (or limit) of a node rounded up, at least 1."""
+    if trainer.get("numProcPerNode") is not None:
+        return str(trainer["numProcPerNode"])
+    res = trainer.get("resourcesPerNode") or {}
+    if "nvidia.com/gpu" in {**(res.get("requests") or {}), **(res.get("limits") or {})}:
+        return "auto"
+    cpu = str((res.get("requests") or {}).get("cpu") or (res.get("limits") or {}).get("cpu") or "1")
+    cores = int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+    return str(max(1, math.ceil(cores)))
+
+
+def torch_env(job: dict, runtime: dict, index: int) -> list[tuple[str, str]]:
+    """The torch plugin's variables for the pod with completion index ``index``, in its order."""
+    name = job["metadata"]["name"]
+    return [
+        ("PET_NNODES", str(num_nodes(job, runtime))),
+        ("PET_NPROC_PER_NODE", nproc_per_node(job["spec"].get("trainer") or {})),
+        ("PET_NODE_RANK", str(index)),  # fieldRef to the completion-index annotation
+        ("PET_MASTER_ADDR", f"{name}-{TRAINER_JOB}-0-0.{name}"),
+        ("PET_MASTER_PORT", str(MASTER_PORT)),
+    ]
+
+
+def merged_container(job: dict, runtime: dict) -> dict:
+    """Container ``node`` of the runtime with the TrainJob's spec.trainer merged in (env by name)."""
+    pod = trainer_job(runtime)["template"]["spec"]["template"]["spec"]
+    c = dict(next(c for c in pod["containers"] if c["name"] == TRAINER_JOB))
+    trainer = job["spec"].get("trainer") or {}
+    for key in ("image", "command", "args"):
+        if key in trainer:
+            c[key] = trainer[key]
+    if "resourcesPerNode" in trainer:
+        c["resources"] = trainer["resourcesPerNode"]
+    env = {e["name"]: e for e in c.get("env") or []}
+    env.update({e["name"]: e for e in trainer.get("env") or []})
+    c["env"] = list(env.values())
+    return c
+
+
+def container_env(job: dict, runtime: dict, index: int) -> dict[str, str]:
+    """The container's environment for the pod of completion index ``index``, as the pod starts it."""
+    host = hostnames(job, runtime)[index]
+    env = {**ks.IMAGE_ENV, "HOSTNAME": host}
+    for e in merged_container(job, runtime).get("env") or []:
+        if "value" not in e:
+            raise ValueError(f"{host}: env {e['name']} has no value (valueFrom is not simulated)")
+        env[e["name"]] = e["value"]
+    env.update(torch_env(job, runtime, index))
+    env["JOB_COMPLETION_INDEX"] = str(index)  # the Job controller's, for Indexed Jobs
+    return env
+
+
+def pod_failure_action(code: int, policy: dict | None) -> str:
+    """The Job's podFailurePolicy for a container that exited ``code``: FailJob, Ignore or Count."""
+    for rule in (policy or {}).get("rules") or []:
+        on = rule.get("onExitCodes")
+        if not on:
+            continue
+        hit = code in on.get("values", [])
+        if (on.get("operator") == "In") == hit:
+            return rule["action"]
+    return "Count"
+
+
+def jobset_action(reason: str, failure_policy: dict | None, restarts: int) -> str:
+    """JobSet's answer to a failed child Job: FailJobSet, RestartJobSet or RestartJobSetAndIgnoreMaxRestarts."""
+    if failure_policy is None:
+        return "FailJobSet"  # no failurePolicy: the first failed Job fails the JobSet
+    for rule in failure_policy.get("rules") or []:
+        reasons = rule.get("onJobFailureReasons") or []
+        if not reasons or reason in reasons:
+            action = rule["action"]
+            break
+    else:
+        action = "RestartJobSet"
+    if action == "RestartJobSet" and restarts >= int(failure_policy.get("maxRestarts") or 0):
+        return "FailJobSet"
+    return action
+
+
+# ----------------------------------------------------------------------------- the simulation
+class TrainJobSimulation:
+    """Trainer + JobSet + Job controller + kubelets for one rendered TrainJob. Use as a context manager:
+    namespaces, bridge, hosts files and processes are removed on exit, also after a failure."""
+
+    def __init__(self, docs: list[dict], workdir: Path, *, venv: Path = ks.REPO / ".venv") -> None:
+        self.job = next(d for d in docs if d["kind"] == "TrainJob")
+        self.runtime = runtime_of(docs, self.job)
+        self.config_maps = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d["kind"] == "ConfigMap"}
+        self.workdir, self.venv = workdir, venv
+        self.job_spec = trainer_job(self.runtime)["template"]["spec"]
+        self.pod_spec = self.job_spec["template"]["spec"]
+        self.container = merged_container(self.job, self.runtime)
+        names = hostnames(self.job, self.runtime)
+        self.pods = {n: ks.Pod(n, TRAINER_JOB, i, NET.ns_prefix + n, i) for i, n in enumerate(names)}
+        self.events: list[tuple[float, str, str]] = []
+        self.condition = SUSPENDED if self.job["spec"].get("suspend") else "Created"
+        self.restart_attempt = 0  # JobSet's jobset.sigs.k8s.io/restart-attempt
+        self.failures = 0  # the Job's failed pods, against backoffLimit
+        self.image: list[dict] = []
+        self._made_dirs: list[Path] = []
+        self._next_ip = 10
+        self._lock = threading.RLock()  # hosts files and events (the kubelet threads take it)
+        self._control = threading.Lock()  # the controller's pass against the test's suspend/resume
+        self._stopped = threading.Event()
+
+    # --------------------------------------------------------------------- network
+    def __enter__(self) -> TrainJobSimulation:
+        ks.teardown(quiet=True, net=NET)  # a previous run killed hard may have left its namespaces
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        ks.make_bridge(NET)
+        for pod in self.pods.values():
+            ks.make_pod_network(pod, NET)
+        self.image = ks.image_mounts(self.venv, ks.image_bin(self.venv, self.workdir / "image" / "bin"))
+        self._made_dirs = ks.make_mount_targets([self.container])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
+        for pod in self.pods.values():
+            pod.stop.set()
+        ks.teardown(quiet=True, net=NET)
+        for pod in self.pods.values():
+            if pod.thread:
+                pod.thread.join(timeout=10)
+        for d in self._made_dirs:
+            try:
+                d.rmdir()
+            except OSError:  # in use by the other simulation, or not empty
+                pass
+
+    def _publish(self) -> None:
+        """Every pod's /etc/hosts: its own names (kubelet) plus the headless Service's records of the pods
+        whose container runs (``<host>.<subdomain>``; a bare peer hostname does not resolve)."""
+        sub = self.job["metadata"]["name"]
+        fqdn = f"{sub}.{ks.NAMESPACE}.svc.{ks.CLUSTER_DOMAIN}"
+        with self._lock:
+            ready = [p for p in self.pods.values() if p.ready]
+            for pod in self.pods.values():
+                lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}.{fqdn} {pod.name}.{sub} {pod.name}"]
+                lines += [f"{p.ip} {p.name}.{sub} {p.name}.{fqdn}" for p in ready if p is not pod]
+                if not ks.write_hosts(pod, lines):
+                    return
+
+    def _event(self, pod: str, what: str) -> None:
+        with self._lock:
+            self.events.append((time.monotonic(), pod, what))
+
+    # --------------------------------------------------------------------- kubelet
+    def _spec(self, pod: ks.Pod, run: int) -> dict:
+        pod_dir = self.workdir / "pods" / f"{pod.name}.{pod.generation}"
+        mounts = self.image + ks.volume_mounts(
+            pod.name, self.container, self.pod_spec, self.config_maps, self.workdir, pod_dir
+        )
+        return {
+            "hostname": pod.name,
+            "command": [*(self.container.get("command") or []), *(self.container.get("args") or [])],
+            "env": container_env(self.job, self.runtime, pod.index),
+            "cwd": self.container.get("workingDir", "/"),
+            "mounts": mounts,
+            "pid_file": str(self.workdir / "pods" / f"{pod.name}.{pod.generation}.{run}.pid"),
+        }
+
+    def _run_once(self, pod: ks.Pod, run: int) -> int:
+        spec = self._spec(pod, run)
+        spec_path = Path(spec["pid_file"]).with_suffix(".json")
+        spec_path.write_text(json.dumps(spec))
+        proc, log = ks.start_container(pod, spec_path, self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log")
+        pod.phase, pod.ready = "Running", True  # no readiness probe: Ready once started
+        self._publish()
+        self._event(pod.name, f"started ip={pod.ip} generation={pod.generation} run={run}")
+        rc = proc.wait()
+        log.close()
+        pod.ready, pod.pid1 = False, None
+        self._publish()
+        pod.exit_codes.append(rc)
+        self._event(pod.name, f"exited {rc}")
+        return rc
+
+    def _kubelet(self, pod: ks.Pod) -> None:
+        policy = self.pod_spec.get("restartPolicy", "OnFailure")  # the JobSet webhook's default
+        run = 0
+        while not pod.stop.is_set():
+            rc = self._run_once(pod, run)
+            if pod.deleting or pod.stop.is_set():
+                pod.phase, pod.reason = "Failed", "Deleted"
+                return
+            if policy == "OnFailure" and rc != 0:
+                pod.restarts += 1
+                run += 1
+                if pod.stop.wait(ks.backoff_s(pod.restarts, 10.0)):
+                    return
+                continue
+            pod.phase = "Succeeded" if rc == 0 else "Failed"
+            return
+
+    def _create(self, pod: ks.Pod) -> None:
+        """A new pod for this completion index: a new IP, fresh emptyDirs."""
+        if pod.thread is not None:  # generation 0 is the first pod of the index
+            pod.generation += 1
+        ks.set_pod_ip(pod, f"{NET.subnet}.{self._next_ip}")
+        self._next_ip += 1
+        pod.phase, pod.reason, pod.restarts, pod.deleting, pod.ready = "Pending", "", 0, False, False
+        pod.stop = threading.Event()
+        pod.thread = threading.Thread(target=self._kubelet, args=(pod,), name=pod.name, daemon=True)
+        self._event(pod.name, f"created generation={pod.generation} restart-attempt={self.restart_attempt}")
+        pod.thread.start()
+
+    def _delete(self, pod: ks.Pod) -> None:
+        """Pod deletion: SIGTERM to PID 1, SIGKILL after terminationGracePeriodSeconds."""
+        pod.deleting = True
+        pod.stop.set()
+        if pod.pid1 is None:
+            return
+        grace = self.pod_spec.get("terminationGracePeriodSeconds", GRACE_DEFAULT_S)
+        self.kill(pod.name, signal.SIGTERM)
+
+        def sigkill(gen: int = pod.generation) -> None:
+            if pod.generation == gen and pod.pid1:
+                os.kill(pod.pid1, signal.SIGKILL)
+
+        timer = threading.Timer(grace, sigkill)
+        timer.daemon = True
+        timer.start()
+
+    def _delete_all_and_wait(self) -> None:
+        for pod in self.pods.values():
+            if pod.thread is not None and pod.thread.is_alive():
+                self._delete(pod)
+        for pod in self.pods.values():
+            if pod.thread is not None:
+                pod.thread.join()
+
+    # --------------------------------------------------------------------- the test's controls
+    def start(self) -> None:
+        """kubectl apply: the controllers start; pods only if the TrainJob is not suspended."""
+        if self.condition != SUSPENDED:
+            self.resume()
+        threading.Thread(target=self._controller, name="controller", daemon=True).start()
+
+    def resume(self) -> None:
+        """spec.suspend: false (Kueue admits the workload): new pods for every index, new IPs."""
+        with self._control:
+            self.condition = RUNNING
+            self._event("trainjob", "resume")
+            for pod in self.pods.values():
+                self._create(pod)
+
+    def suspend(self) -> None:
+        """spec.suspend: true (Kueue preemption, kubectl patch): every pod is deleted, the TrainJob kept.
+        Returns once every pod is gone."""
+        with self._control:
+            self.condition = SUSPENDED
+            self._event("trainjob", "suspend")
+            self._delete_all_and_wait()
+            self._event("trainjob", "suspended: no pods left")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal the container's PID 1; SIGKILL takes every process of the pod with it."""
+        pid = self.pods[name].pid1
+        if pid is None:
+            raise RuntimeError(f"pod {name} has no running container to signal")
+        os.kill(pid, sig)
+        self._event(name, f"signal {signal.Signals(sig).name}")
+
+    def wait(self, timeout: float) -> str:
+        """Wait until the TrainJob is Complete or Failed; returns the condition."""
+        deadline = time.monotonic() + timeout
+        while self.condition not in (COMPLETE, FAILED):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"TrainJob still {self.condition} after {timeout} s; pods: "
+                    f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}"
+                )
+            time.sleep(0.2)
+        return self.condition
+
+    # --------------------------------------------------------------------- controllers
+    def _controller(self) -> None:
+        while self.condition not in (COMPLETE, FAILED) and not self._stopped.is_set():
+            with self._control:
+                if self.condition == RUNNING:
+                    self._reconcile()
+            self._stopped.wait(0.2)
+
+    def _reconcile(self) -> None:
+        """One pass of the Job controller (pod failures, backoffLimit, podFailurePolicy, completion)."""
+        finished = [p for p in self.pods.values() if p.thread is not None and not p.thread.is_alive()]
+        for pod in finished:
+            if pod.phase != "Failed" or pod.deleting:
+                continue
+            action = pod_failure_action(pod.exit_codes[-1], self.job_spec.get("podFailurePolicy"))
+            if action == "FailJob":
+                return self._job_failed("PodFailurePolicy")
+            if action == "Count":
+                self.failures += 1
+                if self.failures > self.job_spec.get("backoffLimit", JOB_BACKOFF_DEFAULT):
+                    return self._job_failed("BackoffLimitExceeded")
+            self._event(pod.name, f"recreate after exit {pod.exit_codes[-1]} ({action})")
+            self._create(pod)
+        if all(p.phase == "Succeeded" for p in self.pods.values()):
+            self._finish(COMPLETE)
+        return None
+
+    def _job_failed(self, reason: str) -> None:
+        """JobSet's failurePolicy for the failed Job: fail the TrainJob, or recreate every pod."""
+        policy = self.runtime["spec"]["template"]["spec"].get("failurePolicy")
+        action = jobset_action(reason, policy, self.restart_attempt)
+        self._event("jobset", f"job failed ({reason}): {action}")
+        if action == "FailJobSet":
+            self._finish(FAILED)
+            return
+        if (policy or {}).get("restartStrategy") != "BlockingRecreate":
+            raise ValueError("the simulation recreates pods only after the old ones are gone: use BlockingRecreate")
+        self._delete_all_and_wait()
+        if action == "RestartJobSet":
+            self.restart_attempt += 1
+        self.failures = 0
+        for pod in self.pods.values():
+            self._create(pod)
+
+    def _finish(self, condition: str) -> None:
+        self.condition = condition
+        for pod in self.pods.values():
+            pod.stop.set()
+            if pod.pid1:
+                try:
+                    os.kill(pod.pid1, signal.SIGKILL)
+                except ProcessLookupError:  # it exited between the check and the kill
+                    pass
+        self._event("trainjob", condition)
+
+    def log(self, name: str) -> str:
+        """Every container run of every pod of this completion index, in order."""
+        files = sorted(
+            (self.workdir / "logs").glob(f"{name}.*.log"), key=lambda p: tuple(int(x) for x in p.name.split(".")[-3:-1])
+        )
+        return "".join(f.read_text(errors="replace") for f in files)

@@ -1,0 +1,298 @@
+"""The rendered TrainJob, run pod by pod as Kubeflow Trainer v2 + JobSet + kubelet would (tests/k8s_trainjob_sim.py).
+
+Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace, named
+and resolved as JobSet names them; the container runs `ddp-job launch` with exactly the torch plugin's
+environment. One uninterrupted run (2 pods x 2 processes) is the reference: a run suspended in the
+middle (SIGTERM to every pod, as Kueue preemption does) and resumed with new pods, and a run whose pods
+JobSet recreates after a kill -9, must both end with bitwise the same parameters: every resume restarts
+at a step boundary from a checkpoint holding the model, optimizer, data position and RNG state, and the
+same 4 ranks sum the same gradients in the same order (gloo, DDP's settled bucket layout).
+
+Timings (suspend to checkpoint on disk, resume to first step) are printed: run with -s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import k8s_sim as ks
+import k8s_trainjob_sim as ts
+import k8s_validate as kv
+import pytest
+import yaml
+from conftest import require
+
+from job.launchers.env import detect_env
+
+pytestmark = [pytest.mark.netns, pytest.mark.integration]
+TIMEOUT = 420  # per run; a loaded 2-core machine is 5-10x slower than an idle one
+OVERLAYS = kv.K8S / "trainjob" / "overlays"
+RECORDED_ENV = Path(__file__).resolve().parent / "data" / "k8s" / "trainjob-pod-env.json"
+NODE0, NODE1 = "ddp-smoke-node-0-0", "ddp-smoke-node-0-1"
+RUNWAY = {"straggler_delay_s": 0.5, "straggler_rank": 0}  # a testing aid (no effect on the math): steps >= 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _requirements() -> Iterator[None]:
+    require(os.geteuid() == 0, "the Trainer v2 simulation needs root (network namespaces, mounts)")
+    for tool in ("ip", "mount", "getent", "kubectl"):
+        require(shutil.which(tool) is not None, f"{tool} not found (scripts/test.sh installs the Debian packages)")
+    require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(), "the simulated image runs .venv/bin/ddp-job")
+    yield
+    ks.teardown(net=ts.NET)
+
+
+def _render(overlay: str) -> list[dict]:
+    """The overlay as rendered, its config logging every step and with a slow rank 0 from step 4 on (the
+    same for every run here, so the runs stay comparable; a suspend after step 3 then lands mid-run)."""
+    docs = kv.render(OVERLAYS / overlay)
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    cfg = yaml.safe_load(cm["data"]["job.yaml"])
+    cfg["log"]["every"] = 1
+    cfg["debug"] = {**RUNWAY, "straggler_steps": list(range(4, cfg["train"]["steps"] + 1))}
+    cm["data"]["job.yaml"] = yaml.safe_dump(cfg)
+    return docs
+
+
+def _config(sim: ts.TrainJobSimulation) -> dict:
+    (data,) = sim.config_maps.values()
+    return yaml.safe_load(data["job.yaml"])
+
+
+def _run_dir(sim: ts.TrainJobSimulation) -> Path:
+    run = _config(sim)["run"]
+    return sim.workdir / "pvc" / "ddp-job-workspace" / Path(run["output_dir"]).relative_to("/workspace") / run["name"]
+
+
+def _checkpoint(sim: ts.TrainJobSimulation, step: int) -> Path:
+    return _run_dir(sim) / f"step-{step:07d}"
+
+
+def _wait_for(what: str, cond: Callable[[], bool], timeout: float = TIMEOUT) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"no {what} after {timeout} s")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _final_params(run_dir: Path) -> tuple[int, dict]:
+    from job.checkpoint import store
+
+    found = store.find_latest(run_dir)
+    assert found is not None, f"no complete checkpoint in {run_dir}"
+    return found.step, store.load_state(found)["model"]
+
+
+def _assert_same_params(a: Path, b: Path) -> None:
+    import torch
+
+    (step_a, pa), (step_b, pb) = _final_params(a), _final_params(b)
+    assert step_a == step_b and pa.keys() == pb.keys()
+    worst = max((pa[k].float() - pb[k].float()).abs().max().item() for k in pa)
+    print(f"  max abs parameter difference against the uninterrupted run: {worst:.2e}")
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), f"{k}: differs from the uninterrupted run (max abs {worst:.2e})"
+
+
+def _print_timeline(sim: ts.TrainJobSimulation, t0: float) -> None:
+    for t, pod, what in sim.events:
+        if t >= t0 - 1:
+            print(f"  {t - t0:+7.1f} s  {pod:22} {what}")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if item)
+
+
+def _worker_env(pid1: int, local_rank: str) -> dict[str, str] | None:
+    """The environment torchrun gave the worker ``local_rank`` of the agent ``pid1`` (None until it runs)."""
+    try:
+        children = Path(f"/proc/{pid1}/task/{pid1}/children").read_text().split()
+        envs = [_environ(int(pid)) for pid in children]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return next((e for e in envs if e.get("LOCAL_RANK") == local_rank), None)
+
+
+def _capture_envs(sim: ts.TrainJobSimulation) -> dict[str, dict[str, str]]:
+    """Each pod's container environment and node 1's second worker's, read from /proc while they run."""
+    out: dict[str, dict[str, str]] = {}
+    for name in (NODE0, NODE1):
+        pod = sim.pods[name]
+        _wait_for(f"{name}'s container", lambda p=pod: p.pid1 is not None, 120)
+        _wait_for(f"{name}'s command", lambda p=pod: b"launch" in Path(f"/proc/{p.pid1}/cmdline").read_bytes(), 60)
+        out[name] = _environ(sim.pods[name].pid1 or 0)
+    pid1 = sim.pods[NODE1].pid1 or 0
+    _wait_for("node 1's workers", lambda: _worker_env(pid1, "1") is not None, 120)
+    out[f"{NODE1}/local-rank-1"] = _worker_env(pid1, "1") or {}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """cpu-smoke, uninterrupted: the run every other run here is compared with."""
+    workdir = tmp_path_factory.mktemp("reference")
+    with ts.TrainJobSimulation(_render("cpu-smoke"), workdir) as sim:
+        sim.start()
+        envs = _capture_envs(sim)
+        hosts = Path(f"/etc/netns/{sim.pods[NODE1].netns}/hosts").read_text()
+        condition = sim.wait(TIMEOUT)
+    (workdir / "envs.json").write_text(json.dumps(envs, indent=1, sort_keys=True) + "\n")
+    return {"sim": sim, "envs": envs, "hosts": hosts, "condition": condition, "run_dir": _run_dir(sim)}
+
+
+def test_torch_plugin_env_names_and_policies() -> None:
+    """BEHAVIOUR.md's rules as pure functions: names, PET_* (auto with GPUs, CPU count without), the Job's
+    podFailurePolicy and JobSet's failurePolicy as the cpu-smoke runtime sets them."""
+    docs = kv.render(OVERLAYS / "cpu-smoke")
+    runtime = next(d for d in docs if d["kind"] == "TrainingRuntime")
+    gpu = {"requests": {"nvidia.com/gpu": 8}, "limits": {"nvidia.com/gpu": 8}}
+    job = {"metadata": {"name": "resnet"}, "spec": {"trainer": {"numNodes": 3, "resourcesPerNode": gpu}}}
+    assert ts.hostnames(job, runtime) == ["resnet-node-0-0", "resnet-node-0-1", "resnet-node-0-2"]
+    assert dict(ts.torch_env(job, runtime, 2)) == {
+        "PET_NNODES": "3",
+        "PET_NPROC_PER_NODE": "auto",
+        "PET_NODE_RANK": "2",
+        "PET_MASTER_ADDR": "resnet-node-0-0.resnet",
+        "PET_MASTER_PORT": "29500",
+    }
+    assert ts.nproc_per_node({"resourcesPerNode": {"requests": {"cpu": "3500m"}}}) == "4"
+    assert ts.nproc_per_node({"resourcesPerNode": {"limits": {"cpu": "2"}}}) == "2"
+    assert ts.nproc_per_node({}) == "1" and ts.nproc_per_node({"numProcPerNode": 2}) == "2"
+    pfp = ts.trainer_job(runtime)["template"]["spec"]["podFailurePolicy"]
+    assert ts.pod_failure_action(2, pfp) == "FailJob"
+    assert [ts.pod_failure_action(c, pfp) for c in (1, 124, 137, 143)] == ["Count"] * 4
+    policy = runtime["spec"]["template"]["spec"]["failurePolicy"]
+    assert ts.jobset_action("PodFailurePolicy", policy, 0) == "FailJobSet"
+    assert ts.jobset_action("BackoffLimitExceeded", policy, 0) == "RestartJobSet"
+    assert ts.jobset_action("BackoffLimitExceeded", policy, policy["maxRestarts"]) == "FailJobSet"
+    assert ts.jobset_action("BackoffLimitExceeded", None, 0) == "FailJobSet"
+
+
+def test_two_nodes_train_to_completion(reference: dict) -> None:
+    """cpu-smoke as rendered: 2 pods x 2 processes finish; each pod's environment is exactly the image's,
+    the container's and the torch plugin's; node 1 reaches node 0 as <job>-node-0-0.<job>."""
+    sim, envs = reference["sim"], reference["envs"]
+    assert reference["condition"] == ts.COMPLETE
+    for name, pod in sim.pods.items():
+        assert envs[name] == ts.container_env(sim.job, sim.runtime, pod.index), name
+        assert pod.exit_codes == [0] and pod.generation == 0, (name, pod.exit_codes)
+    assert envs[NODE1]["PET_NODE_RANK"] == envs[NODE1]["JOB_COMPLETION_INDEX"] == "1"
+    assert envs[NODE1]["PET_MASTER_ADDR"] == "ddp-smoke-node-0-0.ddp-smoke"
+    assert f"{sim.pods[NODE0].ip} ddp-smoke-node-0-0.ddp-smoke " in reference["hosts"]
+    assert not re.search(r"\sddp-smoke-node-0-0$", reference["hosts"], re.M), "a bare peer hostname resolved"
+    worker = detect_env(envs[f"{NODE1}/local-rank-1"])
+    assert (worker.rank, worker.world_size, worker.node_rank, worker.launcher) == (3, 4, 1, "torchrun")
+    log0, log1 = sim.log(NODE0), sim.log(NODE1)
+    assert "node 0/2 launcher=torchrun backend=gloo" in log0 and "rank 3/4 local 1/2 node 1/2" in log1
+    assert int(re.findall(r"^FINAL step=(\d+)", log0, re.M)[-1]) == _config(sim)["train"]["steps"]
+
+
+def test_recorded_pod_environments_are_the_simulated_ones(reference: dict) -> None:
+    """tests/data/k8s/trainjob-pod-env.json (read by tests/test_env.py) is what these pods carry; to
+    record it again, copy the fixture's envs.json there."""
+    recorded = json.loads(RECORDED_ENV.read_text())
+    live = reference["envs"]
+    assert recorded.keys() == live.keys()
+    for name in (NODE0, NODE1):
+        assert recorded[name] == live[name], name
+    worker = f"{NODE1}/local-rank-1"  # the agent's per-run values (error-file paths) differ
+    assert recorded[worker].keys() == live[worker].keys()
+    assert detect_env(recorded[worker]) == detect_env(live[worker])
+
+
+def _suspend_and_time(sim: ts.TrainJobSimulation) -> tuple[int, float, float]:
+    """Suspend now; returns (stop step, seconds to its checkpoint on disk, seconds until no pod is left)."""
+    t0 = time.monotonic()
+    done = threading.Thread(target=sim.suspend)
+    done.start()
+    _wait_for("the stop line", lambda: "saving at step" in sim.log(NODE0), 180)
+    step = int(re.findall(r"saving at step (\d+) and exiting 143", sim.log(NODE0))[0])
+    _wait_for(f"checkpoint step {step}", _checkpoint(sim, step).is_dir, 180)
+    to_disk = time.monotonic() - t0
+    done.join()
+    return step, to_disk, time.monotonic() - t0
+
+
+def test_suspend_then_resume_loses_nothing(reference: dict, tmp_path: Path) -> None:
+    """cpu-smoke-kueue: created suspended (no pods) until admitted; suspended after the first checkpoint:
+    every pod gets SIGTERM, all ranks stop after the same step, the checkpoint is on disk before the pods
+    are gone, every container exits 143; resumed with new pods and new IPs, the run finishes bitwise
+    equal to the uninterrupted one."""
+    with ts.TrainJobSimulation(_render("cpu-smoke-kueue"), tmp_path) as sim:
+        sim.start()
+        time.sleep(2)  # several controller passes: a suspended TrainJob starts nothing
+        assert sim.condition == ts.SUSPENDED and all(p.thread is None for p in sim.pods.values())
+        sim.resume()  # Kueue admits the workload
+        _wait_for("the first checkpoint", _checkpoint(sim, _config(sim)["ckpt"]["every"]).is_dir)
+        first_ips = {n: p.ip for n, p in sim.pods.items()}
+        step, to_disk, gone = _suspend_and_time(sim)
+        assert sim.condition == ts.SUSPENDED and all(p.exit_codes == [143] for p in sim.pods.values())
+        t_resume = time.monotonic()
+        sim.resume()
+        first = f"step {step + 1}/{_config(sim)['train']['steps']} "
+        to_step = _wait_for(f"step {step + 1} after the resume", lambda: first in sim.log(NODE0))
+        assert sim.wait(TIMEOUT) == ts.COMPLETE
+    print(f"\nsuspend -> checkpoint of step {step} on disk {to_disk:.1f} s, all pods gone {gone:.1f} s")
+    print(f"resume (new pods) -> first step (step {step + 1}) done {to_step:.1f} s")
+    _print_timeline(sim, t_resume)
+    for name, pod in sim.pods.items():
+        assert pod.exit_codes == [143, 0] and pod.generation == 1 and pod.ip != first_ips[name], name
+    # Each of the four ranks resumed once, from the step every rank stopped at.
+    for name in (NODE0, NODE1):
+        assert re.findall(r"resumed from \S+ \(step (\d+)", sim.log(name)) == [str(step)] * 2, name
+    assert step > _config(sim)["ckpt"]["every"], "the suspend should land after the first checkpoint"
+    _assert_same_params(_run_dir(sim), reference["run_dir"])
+
+
+def test_jobset_restart_of_all_pods_resumes(reference: dict, tmp_path: Path) -> None:
+    """kill -9 of node 1's pod: it exits 137, its Job fails (backoffLimit 0), JobSet deletes node 0's
+    pod too, waits until both are gone and recreates both (restart attempt 1, new IPs); the trainers
+    resume from the newest checkpoint and end bitwise equal to the uninterrupted run."""
+    with ts.TrainJobSimulation(_render("cpu-smoke"), tmp_path) as sim:
+        sim.start()
+        _wait_for("the first checkpoint", _checkpoint(sim, _config(sim)["ckpt"]["every"]).is_dir)
+        first_ips = {n: p.ip for n, p in sim.pods.items()}
+        t_kill = time.monotonic()
+        sim.kill(NODE1, signal.SIGKILL)
+        to_resume = _wait_for("a resume", lambda: "resumed from" in sim.log(NODE0))
+        assert sim.wait(TIMEOUT) == ts.COMPLETE
+    print(f"\nkill -9 of a pod -> JobSet restart of both -> trainers resumed after {to_resume:.1f} s")
+    _print_timeline(sim, t_kill)
+    assert sim.restart_attempt == 1 and sim.pods[NODE1].exit_codes == [137, 0]
+    for name, pod in sim.pods.items():
+        assert pod.generation == 1 and pod.ip != first_ips[name] and pod.exit_codes[-1] == 0, name
+    resumed = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)", sim.log(NODE0))]
+    assert len(resumed) == 2 and len(set(resumed)) == 1 and resumed[0] >= _config(sim)["ckpt"]["every"]
+    _assert_same_params(_run_dir(sim), reference["run_dir"])
+
+
+def test_doctor_in_a_trainjob(tmp_path: Path) -> None:
+    """cpu-smoke with spec.trainer.args starting ["--", "doctor", ...] (docs/kubernetes.md): the preflight
+    checks pass in both pods, the rendezvous check resolves the JobSet name of node 0, and the report
+    on the PVC names both pods."""
+    docs = kv.render(OVERLAYS / "cpu-smoke")
+    trainer = next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]
+    assert trainer["args"][0] == "--", trainer
+    trainer["args"] = ["--", "doctor", *trainer["args"][1:]]
+    with ts.TrainJobSimulation(docs, tmp_path) as sim:
+        sim.start()
+        assert sim.wait(TIMEOUT) == ts.COMPLETE
+    log0 = sim.log(NODE0)
+    assert all(p.exit_codes == [0] for p in sim.pods.values()), [p.exit_codes for p in sim.pods.values()]
+    assert "FAIL " not in log0 + sim.log(NODE1) and "doctor: 0 FAIL" in log0, log0[-4000:]
+    assert re.search(r"PASS rendezvous\s+MASTER_ADDR=ddp-smoke-node-0-0\.ddp-smoke MASTER_PORT=29500 resolves", log0)
+    report = json.loads((_run_dir(sim) / "doctor.json").read_text())
+    assert report["world_size"] == 4 and {r["host"] for r in report["ranks"]} == {NODE0, NODE1}
+    assert not list(_run_dir(sim).glob("step-*")), "doctor must not train"
