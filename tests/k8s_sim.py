@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
 POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"
@@ -217,6 +217,38 @@ class Pod:
     thread: threading.Thread | None = None
 
 
+def run_container_once(sim: Any, pod: Pod, run: int, started: str) -> int:
+    """One run of ``pod``'s container for a simulation of either API (its ``_spec``, ``_publish`` and
+    ``_event``): Ready (in every hosts file) while it runs; returns its exit code."""
+    spec = sim._spec(pod, run)
+    spec_path = Path(spec["pid_file"]).with_suffix(".json")
+    spec_path.write_text(json.dumps(spec))
+    proc, log = start_container(pod, spec_path, sim.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log")
+    pod.phase, pod.ready = "Running", True  # no readiness probe: Ready once started
+    sim._publish()
+    sim._event(pod.name, started)
+    rc = proc.wait()
+    log.close()
+    pod.ready, pod.pid1 = False, None
+    sim._publish()
+    pod.exit_codes.append(rc)
+    sim._event(pod.name, f"exited {rc}")
+    return rc
+
+
+def wait_for_condition(sim: Any, final: tuple[str, ...], timeout: float) -> str:
+    """Poll ``sim.condition`` (a simulated job of either API) until it is one of ``final``; returns it."""
+    deadline = time.monotonic() + timeout
+    while sim.condition not in final:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"job still {sim.condition} after {timeout} s; pods: "
+                f"{[(p.name, p.phase, p.exit_codes) for p in sim.pods.values()]}"
+            )
+        time.sleep(0.2)
+    return sim.condition
+
+
 class Simulation:
     """The operator + kubelets for one rendered manifest set. Use as a context manager: the
     namespaces, bridge, hosts files and processes are removed on exit, also after a failure."""
@@ -334,21 +366,7 @@ class Simulation:
             return
         run = 0
         while not pod.stop.is_set():
-            spec = self._spec(pod, run)
-            spec_path = Path(spec["pid_file"]).with_suffix(".json")
-            spec_path.write_text(json.dumps(spec))
-            proc, log = start_container(
-                pod, spec_path, self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log"
-            )
-            pod.phase, pod.ready = "Running", True  # no readiness probe: Ready once started
-            self._publish()
-            self._event(pod.name, f"started ip={pod.ip} run={run}")
-            rc = proc.wait()
-            log.close()
-            pod.ready, pod.pid1 = False, None
-            self._publish()
-            pod.exit_codes.append(rc)
-            self._event(pod.name, f"exited {rc}")
+            rc = run_container_once(self, pod, run, f"started ip={pod.ip} run={run}")
             if pod.deleting or pod.stop.is_set():
                 pod.phase, pod.reason = "Failed", "Deleted"
                 return
@@ -408,15 +426,7 @@ class Simulation:
 
     def wait(self, timeout: float) -> str:
         """Wait until the job is Succeeded or Failed; returns the condition."""
-        deadline = time.monotonic() + timeout
-        while self.condition not in ("Succeeded", "Failed"):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"job still {self.condition} after {timeout} s; pods: "
-                    f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}"
-                )
-            time.sleep(0.2)
-        return self.condition
+        return wait_for_condition(self, ("Succeeded", "Failed"), timeout)
 
     def _operator(self) -> None:
         while self.condition not in ("Succeeded", "Failed") and not self._stopped.is_set():

@@ -22,7 +22,6 @@ Needs root, iproute2 and mount.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -228,20 +227,7 @@ class TrainJobSimulation:
         }
 
     def _run_once(self, pod: ks.Pod, run: int) -> int:
-        spec = self._spec(pod, run)
-        spec_path = Path(spec["pid_file"]).with_suffix(".json")
-        spec_path.write_text(json.dumps(spec))
-        proc, log = ks.start_container(pod, spec_path, self.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log")
-        pod.phase, pod.ready = "Running", True  # no readiness probe: Ready once started
-        self._publish()
-        self._event(pod.name, f"started ip={pod.ip} generation={pod.generation} run={run}")
-        rc = proc.wait()
-        log.close()
-        pod.ready, pod.pid1 = False, None
-        self._publish()
-        pod.exit_codes.append(rc)
-        self._event(pod.name, f"exited {rc}")
-        return rc
+        return ks.run_container_once(self, pod, run, f"started ip={pod.ip} generation={pod.generation} run={run}")
 
     def _kubelet(self, pod: ks.Pod) -> None:
         policy = self.pod_spec.get("restartPolicy", "OnFailure")  # the JobSet webhook's default
@@ -331,15 +317,7 @@ class TrainJobSimulation:
 
     def wait(self, timeout: float) -> str:
         """Wait until the TrainJob is Complete or Failed; returns the condition."""
-        deadline = time.monotonic() + timeout
-        while self.condition not in (COMPLETE, FAILED):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"TrainJob still {self.condition} after {timeout} s; pods: "
-                    f"{[(p.name, p.phase, p.exit_codes) for p in self.pods.values()]}"
-                )
-            time.sleep(0.2)
-        return self.condition
+        return ks.wait_for_condition(self, (COMPLETE, FAILED), timeout)
 
     # --------------------------------------------------------------------- controllers
     def _controller(self) -> None:

@@ -37,9 +37,6 @@ RUNTIME_KINDS = {"TrainingRuntime", "ClusterTrainingRuntime"}
 MANAGED_BY = {"trainer.kubeflow.org/trainjob-controller", "kueue.x-k8s.io/multikueue"}
 ML_POLICIES = ("torch", "mpi", "jax", "xgboost", "flux")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-AGENT_SHUTDOWN_DEFAULT_S = 30  # torchrun's agent: SIGTERM to the workers, SIGKILL this much later
-GRACE_MARGIN_S = 10  # after the agent's SIGKILL: its own exit and the exit-code mapping
 EXIT_BAD_INPUT = 2
 
 
@@ -200,20 +197,6 @@ def _nproc_errors(trainer: dict) -> list[str]:
     return []
 
 
-def _grace_errors(pod: dict, c: dict) -> list[str]:
-    """SIGTERM -> the agent waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the save -> the kubelet's SIGKILL
-    after terminationGracePeriodSeconds must come later, or the save is cut off."""
-    grace = pod.get("terminationGracePeriodSeconds", 30)
-    raw = kv._env(c).get(SHUTDOWN_ENV, str(AGENT_SHUTDOWN_DEFAULT_S))
-    shutdown = int(raw) if raw.isdigit() else AGENT_SHUTDOWN_DEFAULT_S
-    if grace < shutdown + GRACE_MARGIN_S:
-        return [
-            f"terminationGracePeriodSeconds={grace} must be >= {SHUTDOWN_ENV}={shutdown} + {GRACE_MARGIN_S}: "
-            "the kubelet would kill the pod while the trainers still save (docs/kubernetes.md)"
-        ]
-    return []
-
-
 def _restart_errors(runtime: dict) -> list[str]:
     """The restart contract of docs/kubernetes.md: any failure restarts all pods through JobSet, after the
     old ones are gone; bad input fails the TrainJob at once."""
@@ -275,7 +258,7 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
     if bad_env:
         errs.append(f"{where}: env {bad_env}: PET_* are the torch plugin's to set: remove them")
     cmd = [*(trainer.get("command") or []), *(trainer.get("args") or [])]
-    errs += _grace_errors(pod, c) + _restart_errors(runtime)
+    errs += kv.grace_errors(pod, c) + _restart_errors(runtime)
     errs += kv.storage_errors(where, c, pod, cmd, docs) + kv.security_errors(where, c, pod, TRAINER_JOB)
     return errs
 

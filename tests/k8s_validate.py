@@ -290,6 +290,30 @@ def _mount_for(container: dict, volumes: dict[str, dict], kind: str) -> list[tup
     ]
 
 
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+AGENT_SHUTDOWN_DEFAULT_S = 30  # torchrun's agent: SIGTERM to the workers, SIGKILL this much later
+GRACE_MARGIN_S = 10  # after the agent's SIGKILL: its own exit and the exit-code mapping
+
+
+def grace_errors(pod: dict, c: dict) -> list[str]:
+    """Either API: SIGTERM -> the agent waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT for the save -> the kubelet's
+    SIGKILL after terminationGracePeriodSeconds must come later, or the save is cut off."""
+    if SHUTDOWN_ENV not in _env(c):
+        return [
+            f"env {SHUTDOWN_ENV} is unset: torchrun's agent would SIGKILL the trainers {AGENT_SHUTDOWN_DEFAULT_S} s "
+            "after a SIGTERM, whatever the grace period; set it to one step + one save (docs/kubernetes.md)"
+        ]
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    raw = _env(c).get(SHUTDOWN_ENV, str(AGENT_SHUTDOWN_DEFAULT_S))
+    shutdown = int(raw) if raw.isdigit() else AGENT_SHUTDOWN_DEFAULT_S
+    if grace < shutdown + GRACE_MARGIN_S:
+        return [
+            f"terminationGracePeriodSeconds={grace} must be >= {SHUTDOWN_ENV}={shutdown} + {GRACE_MARGIN_S}: "
+            "the kubelet would kill the pod while the trainers still save (docs/kubernetes.md)"
+        ]
+    return []
+
+
 def project_errors(job: dict, docs: list[dict]) -> list[str]:
     """What a cluster accepts but this project must not ship (the semantic checks of §9 and the
     contracts of docs/design.md)."""
@@ -335,6 +359,7 @@ def project_errors(job: dict, docs: list[dict]) -> list[str]:
         hard = [a for a in launch_opts if a.split("=")[0] in INJECTED_FLAGS]
         if hard:
             errs.append(f"{where}: {hard} hard-code what the operator injects as PET_*: remove them")
+        errs += [f"{where}: {e}" for e in grace_errors(pod, c)]
         env = _env(c)
         bad_env = sorted(k for k in env if k in OPERATOR_ENV or k.startswith("PET_"))
         if bad_env:

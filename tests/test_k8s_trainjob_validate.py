@@ -195,7 +195,7 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "runtime-pet-env": (_node_env("PET_MASTER_PORT", "1"), "env ['PET_MASTER_PORT']"),
     "grace-too-short": (_rt(f"{POD}/terminationGracePeriodSeconds", 60), "terminationGracePeriodSeconds=60"),
     "agent-default-shutdown": (
-        lambda d: (_node_env(tv.SHUTDOWN_ENV, "30")(d), _rt(f"{POD}/terminationGracePeriodSeconds", 30)(d)),
+        lambda d: (_node_env(kv.SHUTDOWN_ENV, "30")(d), _rt(f"{POD}/terminationGracePeriodSeconds", 30)(d)),
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30 + 10",
     ),
     "no-max-restarts": (_rt("spec/template/spec/failurePolicy/maxRestarts", _DELETE), "maxRestarts is unset"),

@@ -184,6 +184,11 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
         "hard-code what the operator injects",
     ),
     "user-master-addr": (_env("MASTER_ADDR", "x"), "overridden by the operator"),
+    "grace-below-agent-shutdown": (_set(f"{M}/template/spec/terminationGracePeriodSeconds", 60), "must be >= TORCH"),
+    "agent-default-shutdown": (
+        lambda d: _c(d).__setitem__("env", [e for e in _c(d)["env"] if e["name"] != kv.SHUTDOWN_ENV]),
+        "env TORCH_ELASTIC_SHUTDOWN_TIMEOUT is unset",
+    ),
     "gpu-mismatch": (_set(f"{MC}/resources/limits", {"nvidia.com/gpu": 4}), "!= spec.nprocPerNode '2'"),
     "port-name": (_set(f"{MC}/ports/0/name", "rdzv"), "'pytorchjob-port'"),
     "no-dshm": (
