@@ -30,6 +30,8 @@ from job.errors import (
     NonFiniteError,
     NonFiniteStateError,
     TrainingFailed,
+    UserCodeError,
+    WeightsError,
     exit_code_of,
     is_collective_timeout,
 )
@@ -48,6 +50,8 @@ CASES = [
     (CheckpointLoadError("state.pt refused by weights_only=True.", "move it away."), EXIT_FAILURE),
     (NonFiniteError("too many non-finite steps.", "lower optim.lr."), EXIT_FAILURE),
     (TrainingFailed({"77": 3, "78": 124}, {"77": "a.err", "78": "b.err"}), 124),
+    (UserCodeError("model.name='pkg.mod:net': no module pkg.", "install it.", setting="model.name"), EXIT_BAD_INPUT),
+    (WeightsError("model.weights=w.pt: no such file.", "pass a state dict.", setting="model.weights"), EXIT_BAD_INPUT),
 ]
 IDS = [type(err).__name__ for err, _ in CASES]
 

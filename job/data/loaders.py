@@ -40,6 +40,7 @@ from job.data.device_decode import EncodedBatch, EncodedFiles, collate_encoded, 
 from job.data.sampler import ResumableSampler, ShardSampler, sample_seed, shard_range  # noqa: F401
 from job.data.workers import WorkerFailure, WorkerTrackingLoader, init_error, init_worker, socket_tempdir_too_long
 from job.errors import BadInput, DataStall, JobError
+from job.usercode import is_import_path
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -118,10 +119,11 @@ def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str,
 def validate_data(cfg: DataConfig) -> DataLayout | None:
     """Cheap checks before any process group or device work: paths, class folders, counts.
 
-    Lists directories but decodes nothing. Returns None for the synthetic source (nothing to check).
-    Raises BadInput naming the setting or file, the bad value and the fix.
+    Lists directories but decodes nothing. Returns None for the other sources (synthetic: nothing to check; each
+    other source is checked by its own module, e.g. job.data.usersource). Raises BadInput naming the setting or
+    file, the bad value and the fix.
     """
-    if cfg.source == "synthetic":
+    if cfg.source != "imagefolder":
         return None
     if not cfg.path.is_dir():
         what = "is not a directory" if cfg.path.exists() else "does not exist"
@@ -181,10 +183,14 @@ class ImageFiles(Dataset):
         except JobError as err:
             return WorkerFailure(err)
 
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample ``index`` before any transform: a uint8 CHW image and its label (job.data.usersource overrides)."""
+        path, label = self.samples[index]
+        return decode(path), label
+
     def __getitem__(self, key: tuple[int, int] | int) -> tuple[torch.Tensor, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        path, label = self.samples[index]
-        img = decode(path)
+        img, label = self.load(index)
         if self.transform is None:
             return img, label
         if not self.random:
@@ -296,14 +302,22 @@ class Loaders:
 
 
 def check_train_size(
-    cfg: DataConfig, layout: DataLayout | None, world_size: int, micro_batch_size: int, grad_accum_steps: int
+    cfg: DataConfig,
+    layout: DataLayout | None,
+    world_size: int,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    train_size: int | None = None,
 ) -> None:
-    """At least one global batch in the training set (``layout`` from validate_data; None: synthetic).
+    """At least one global batch in the training set (``layout`` from validate_data; None: synthetic, unless
+    ``train_size`` gives the size of another source's training set).
 
     Raises:
         BadInput: naming the data setting, the sample count and the batch arithmetic.
     """
     n, setting, value = cfg.synthetic_train_size, "data.synthetic_train_size", str(cfg.synthetic_train_size)
+    if train_size is not None:
+        n, setting, value = train_size, "data.source", cfg.source
     if layout is not None:
         n, setting, value = len(layout.train), "data.path", str(cfg.path)
     sampler = ResumableSampler(n, 0, world_size, micro_batch_size, 0, grad_accum_steps)
@@ -330,10 +344,9 @@ def build_loaders(
     """Train and val loaders of this rank (see the module docstring for order and determinism)."""
     if cfg.source == "synthetic":
         return _synthetic(cfg, rank, world_size, micro_batch_size, seed, device, grad_accum_steps)
-    layout = validate_data(cfg)
-    assert layout is not None
-    check_train_size(cfg, layout, world_size, micro_batch_size, grad_accum_steps)
-    sampler = ResumableSampler(len(layout.train), rank, world_size, micro_batch_size, seed, grad_accum_steps)
+    sets = _datasets(cfg, seed, device, rank)
+    check_train_size(cfg, sets.layout, world_size, micro_batch_size, grad_accum_steps, train_size=len(sets.train))
+    sampler = ResumableSampler(len(sets.train), rank, world_size, micro_batch_size, seed, grad_accum_steps)
     kw: dict[str, Any] = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
         if socket_tempdir_too_long():
@@ -349,25 +362,50 @@ def build_loaders(
             worker_init_fn=init_worker,
             timeout=cfg.loader_timeout_s,
         )
-    on_device = _decodes_on_device(cfg, layout, device, rank)
-    if on_device:
-        train_ds: Dataset = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
-        val_ds: Dataset = EncodedFiles(layout.val, cfg.image_size, seed, random=False)
-        kw["collate_fn"] = collate_encoded
-    else:
-        train_ds = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
-        val_ds = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
-        kw["collate_fn"] = collate
+    kw["collate_fn"] = sets.collate_fn
     train = WorkerTrackingLoader(
-        train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=_generator(seed), **kw
+        sets.train, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=_generator(seed), **kw
     )
-    val_sampler = ShardSampler(len(layout.val), rank, world_size)
+    val_sampler = ShardSampler(len(sets.val), rank, world_size)
     val = WorkerTrackingLoader(
-        val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False, generator=_generator(seed), **kw
+        sets.val, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False, generator=_generator(seed), **kw
     )
     r = val_sampler.indices
-    info = ValInfo(len(layout.val), r.start, r.stop, layout.classes)
-    return Loaders(CleanErrors(train), sampler, CleanErrors(val), info, decodes_on_device=on_device)
+    info = ValInfo(len(sets.val), r.start, r.stop, sets.classes)
+    return Loaders(CleanErrors(train), sampler, CleanErrors(val), info, decodes_on_device=sets.on_device)
+
+
+@dataclass(frozen=True)
+class Datasets:
+    """One source's map-style train and val datasets, keyed by the samplers' (epoch, index) pairs."""
+
+    train: Any  # a Dataset with __len__
+    val: Any
+    classes: tuple[str, ...]
+    collate_fn: Any = collate
+    on_device: bool = False
+    layout: DataLayout | None = None  # imagefolder's file lists (its size check names data.path)
+
+
+def _datasets(cfg: DataConfig, seed: int, device: torch.device, rank: int) -> Datasets:
+    """The dispatch point: each source that reads samples through the DataLoader, by data.source."""
+    if is_import_path(cfg.source):
+        from job.data import usersource  # here, not at the top: usersource builds on this module's ImageFiles
+
+        return usersource.datasets(cfg, seed)
+    return _imagefolder(cfg, seed, device, rank)
+
+
+def _imagefolder(cfg: DataConfig, seed: int, device: torch.device, rank: int) -> Datasets:
+    layout = validate_data(cfg)
+    assert layout is not None
+    if _decodes_on_device(cfg, layout, device, rank):
+        train_enc = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
+        val_enc = EncodedFiles(layout.val, cfg.image_size, seed, random=False)
+        return Datasets(train_enc, val_enc, layout.classes, collate_encoded, on_device=True, layout=layout)
+    train = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
+    val = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
+    return Datasets(train, val, layout.classes, layout=layout)
 
 
 def _generator(seed: int) -> torch.Generator:
