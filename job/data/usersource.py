@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.data import IterableDataset
 from torchvision.transforms import v2
 
 from job import usercode
@@ -40,7 +41,8 @@ def open_split(cfg: DataConfig, split: str) -> Any:
     fn = usercode.resolve("data.source", cfg.source)
     kwargs = {"split": split, "path": cfg.path, **cfg.options}
     dataset = usercode.call("data.source", cfg.source, fn, kwargs, "data.options")
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+    iterable = isinstance(dataset, IterableDataset)
+    if iterable or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise _error(
             cfg,
             f"split={split!r} returned a {type(dataset).__name__}, not a map-style dataset.",

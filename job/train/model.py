@@ -46,6 +46,7 @@ def validate_model(cfg: ModelConfig) -> None:
     if usercode.is_import_path(cfg.name):
         usercode.resolve("model.name", cfg.name)
         _torchvision_only(cfg, "norm", cfg.norm != "batch")
+        _torchvision_only(cfg, "zero_init_residual", cfg.zero_init_residual)
         return
     names = available_models()
     if cfg.name not in names:
