@@ -3,19 +3,21 @@ these ending in exit 2 with the setting, the value and the fix named, before any
 
 from __future__ import annotations
 
+import os
 import sys
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLE, ROOT, run_cli, user_code_env
+from conftest import EXAMPLE, ROOT
 from PIL import Image
 
 from job.config import DataConfig, ModelConfig, load_config
 from job.data import usersource
 from job.data.loaders import build_loaders
 from job.errors import BadInput, UserCodeError, WeightsError
+from job.launchers.env import LAUNCHER_VAR_PREFIXES
 from job.train import weights
 from job.train.model import build_model, check_model
 from job.usercode import is_import_path, resolve
@@ -258,22 +260,36 @@ BAD = {
 }
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_user_code_exits_2_naming_setting_and_fix_before_writing(tmp_path: Path, case: str) -> None:
+def test_bad_user_code_exits_2_naming_setting_and_fix_before_writing(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """In-process through the real CLI entry point (as tests/test_faults.py's table), with no process group
+    allowed to start."""
+    import torch.distributed as dist
+
+    from job import cli
+
     args, setting, message = BAD[case]
-    subs = {"{tmp}": str(tmp_path), **{f"{{{k}}}": "" for k in ("corrupt", "other", "pickle")}}
+    subs = {"{tmp}": str(tmp_path)}
     for kind in ("corrupt", "other", "pickle"):
         if any(f"{{{kind}}}" in a for a in args):
             subs[f"{{{kind}}}"] = _weights_file(tmp_path, kind)
     for key, value in subs.items():
         args = [a.replace(key, value) for a in args]
+    for k in [k for k in os.environ if k.startswith(("JOB_", *LAUNCHER_VAR_PREFIXES))]:
+        monkeypatch.delenv(k)
+
+    def no_process_group(*a: object, **kw: object) -> None:
+        raise AssertionError("a process group was started before the input was checked")
+
+    monkeypatch.setattr(dist, "init_process_group", no_process_group)
     out = tmp_path / "runs"
-    r = run_cli(["train", *args, "--run.output-dir", str(out)], env=user_code_env(tmp_path))
-    text = r.stdout + r.stderr
-    assert r.returncode == 2, text[-3000:]
-    assert f"{setting}=" in text and message in text and "Fix:" in text, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
+    rc = cli.main(["train", *args, "--run.output-dir", str(out), "--log.tensorboard", "false"])
+    err = capfd.readouterr().err
+    assert rc == 2, err[-3000:]
+    assert f"{setting}=" in err and message in err and "Fix:" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
     assert not out.exists(), sorted(out.rglob("*"))
 
 
