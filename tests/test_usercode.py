@@ -297,3 +297,15 @@ def test_the_example_package_imports_nothing_of_the_job() -> None:
     for path in (EXAMPLE / "tinyshapes").glob("*.py"):
         assert "import job" not in path.read_text() and "from job" not in path.read_text(), path
     assert sys.modules.get("tinyshapes") is None or "job" not in dir(sys.modules["tinyshapes"])
+
+
+def test_a_resume_may_name_other_initial_weights_but_not_other_options() -> None:
+    """model.weights only starts a run; a resumed one restores its checkpoint, so the value may change (a moved
+    file). model.options builds the model: a change is refused like any other."""
+    from job.checkpoint.resume import config_differences
+    from job.config import config_to_dict
+
+    saved = config_to_dict(load_config(["--model.weights", "a.pt"], {}))
+    assert config_differences(saved, load_config(["--model.weights", "b.pt"], {})) == []
+    changed = config_differences(saved, load_config(["--model.weights", "a.pt", "--model.options", '{"w": 2}'], {}))
+    assert changed == ["model.options.w: checkpoint None -> now 2"]
