@@ -78,7 +78,8 @@ class DataConfig(BaseModel):
     path: Path = Path("data/shapes")
     """ImageFolder root that holds train/ and val/ (see ddp-job make-data); passed to a user dataset as path."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments for a user dataset (data.source as package.module:callable)."""
+    """Extra keyword arguments for a user dataset (data.source as package.module:callable); a mapping in YAML, JSON
+    on the command line and in JOB_DATA__OPTIONS, e.g. '{"min_size": 64}'."""
     num_classes: int = Field(10, ge=2)
     """Number of classes; must match the class folders."""
     image_size: int = Field(32, ge=8)
@@ -124,7 +125,8 @@ class ModelConfig(BaseModel):
     """A torchvision classification model name (resnet18, resnet50, mobilenet_v3_small, ...), or a user model as
     package.module:callable, called as callable(num_classes=N, **model.options) (contract: docs/user-code.md)."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments for the model builder (a user callable, or torchvision's, e.g. {dropout: 0.2})."""
+    """Extra keyword arguments for the model builder (a user callable, or torchvision's, e.g. {dropout: 0.2}); JSON on
+    the command line and in JOB_MODEL__OPTIONS, e.g. '{"width": 64}'."""
     weights: str = ""
     """Initial weights (fine-tuning): a torchvision weights name of model.name (IMAGENET1K_V1, DEFAULT; from the torch
     hub cache, downloaded once when missing), or a path to a state dict file, a ddp-job checkpoint (step-N/ or its
