@@ -1,4 +1,5 @@
-"""Training and validation data: an ImageFolder (or synthetic tensors), sharded over ranks, resumable.
+"""Training and validation data: an ImageFolder, synthetic tensors, or a user dataset (job.data.usersource; the
+``_datasets`` dispatch point), sharded over ranks, resumable.
 
 Sample order and the resumable position: see job/data/sampler.py (each optimizer step sees the same
 samples whatever the world size / accumulation split; ``set_position(epoch, start_batch)``).
