@@ -87,6 +87,18 @@ class BadShard(BadInput):
     or a label outside ``[0, data.num_classes)``. Exits 2 like any bad input."""
 
 
+class UserCodeError(BadInput):
+    """User code named in the config (``model.name`` or ``data.source`` as ``package.module:callable``) cannot be
+    imported or called, or what it returned breaks the contract of docs/user-code.md. Found in preflight, on the
+    first items, before any process group starts; a traceback of the user's own exception is chained
+    (JOB_TRACEBACK=1 prints it)."""
+
+
+class WeightsError(BadInput):
+    """``model.weights`` cannot be loaded into the model: missing, corrupt, not a state dict, or of another
+    architecture (the message names the first tensor that does not fit)."""
+
+
 class CollectiveTimeout(JobError, RuntimeError):
     """A collective timed out; the message says which rank(s) stalled (job.observe.observer)."""
 

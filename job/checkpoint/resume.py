@@ -37,6 +37,7 @@ MAY_CHANGE = (
     "data.device_prefetch",
     "data.decode",  # same samples, crops and flips; decoders differ only in IDCT rounding (tests/test_decode.py)
     "ddp.comm_stats",  # copy overlap / a counting hook: same math
+    "model.weights",  # initial weights only: a resumed run restores its own checkpoint and never reads them
 )
 
 

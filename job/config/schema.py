@@ -15,7 +15,7 @@ accumulation steps, scaled LR) live in ``job.config.plan``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
@@ -26,8 +26,12 @@ from pydantic_settings import (
 )
 
 from job.launchers.stop import SIGNAL_NAMES, STOP_SIGNALS
+from job.usercode import is_import_path
 
 _SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+BUILTIN_SOURCES = ("synthetic", "imagefolder", "webdataset")
+"""The data.source values the job reads itself; any other value must be a package.module:callable import path."""
 
 
 class RunConfig(BaseModel):
@@ -67,17 +71,22 @@ class DataConfig(BaseModel):
     """Training and validation data."""
 
     model_config = _SECTION
-    source: Literal["synthetic", "imagefolder", "webdataset"] = "imagefolder"
+    source: str = "imagefolder"
     """imagefolder: an ImageNet-layout directory (path/train, path/val); webdataset: .tar shards read by index
-    (train_shards / val_shards; docs/webdataset.md); synthetic: random tensors on the device."""
+    (train_shards / val_shards; docs/webdataset.md); synthetic: random tensors on the device;
+    package.module:callable: a user dataset, called as callable(split="train"|"val", path=data.path, **data.options)
+    (contract: docs/user-code.md)."""
     path: Path = Path("data/shapes")
     """ImageFolder root that holds train/ and val/, or (webdataset) the directory of train.json and val.json
-    (see ddp-job make-data)."""
+    (see ddp-job make-data); passed to a user dataset as path."""
     train_shards: str = ""
     """webdataset: the training shards: a wids index JSON (path or http(s)/s3/gs URL, shard URLs relative to it),
     or a local directory whose *.tar files are the shards. Empty: <path>/train.json, else the directory <path>/train."""
     val_shards: str = ""
     """webdataset: the validation shards, as train_shards. Empty: <path>/val.json, else the directory <path>/val."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for a user dataset (data.source as package.module:callable); a mapping in YAML, JSON
+    on the command line and in JOB_DATA__OPTIONS, e.g. '{"min_size": 64}'."""
     num_classes: int = Field(10, ge=2)
     """Number of classes; must match the class folders."""
     image_size: int = Field(32, ge=8)
@@ -104,13 +113,32 @@ class DataConfig(BaseModel):
     cropped, resized and flipped on the GPU (needs CUDA). device: that path on whichever device trains, CPU
     included. auto: gpu with CUDA, torchcodec and an all-JPEG dataset, else cpu; the log says which and why."""
 
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        if v in BUILTIN_SOURCES or is_import_path(v):
+            return v
+        raise ValueError(
+            f"data.source={v!r} is neither one of {list(BUILTIN_SOURCES)} nor a package.module:callable import "
+            "path (a user dataset function, e.g. mypkg.data:make_dataset)"
+        )
+
 
 class ModelConfig(BaseModel):
     """The network."""
 
     model_config = _SECTION
     name: str = "resnet18"
-    """Any torchvision classification model name (resnet18, resnet50, mobilenet_v3_small, ...)."""
+    """A torchvision classification model name (resnet18, resnet50, mobilenet_v3_small, ...), or a user model as
+    package.module:callable, called as callable(num_classes=N, **model.options) (contract: docs/user-code.md)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the model builder (a user callable, or torchvision's, e.g. {dropout: 0.2}); JSON on
+    the command line and in JOB_MODEL__OPTIONS, e.g. '{"width": 64}'."""
+    weights: str = ""
+    """Initial weights (fine-tuning): a torchvision weights name of model.name (IMAGENET1K_V1, DEFAULT; from the torch
+    hub cache, downloaded once when missing), or a path to a state dict file, a ddp-job checkpoint (step-N/ or its
+    state.pt) or a ddp-job run directory (its newest checkpoint). A head sized for another number of classes is
+    re-initialised; a resumed run restores its own checkpoint instead. Empty: random initialisation."""
     channels_last: bool = False
     """NHWC memory format for model and inputs (faster convolutions with bf16/fp16 on GPUs)."""
     compile: bool = False

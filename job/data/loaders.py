@@ -1,4 +1,5 @@
-"""Training and validation data: an ImageFolder (or synthetic tensors), sharded over ranks, resumable.
+"""Training and validation data: an ImageFolder, synthetic tensors, or a user dataset (job.data.usersource; the
+``_datasets`` dispatch point), sharded over ranks, resumable.
 
 Sample order and the resumable position: see job/data/sampler.py (each optimizer step sees the same
 samples whatever the world size / accumulation split; ``set_position(epoch, start_batch)``).
@@ -47,6 +48,7 @@ from job.data.workers import (
     unreadable_image,
 )
 from job.errors import BadInput, DataStall, JobError
+from job.usercode import is_import_path
 
 if TYPE_CHECKING:
     from job.data.shards import ShardLayout
@@ -128,16 +130,17 @@ def _scan_split(cfg: DataConfig, split: str) -> tuple[list[str], list[tuple[str,
 def validate_data(cfg: DataConfig) -> DataLayout | ShardLayout | None:
     """Cheap checks before any process group or device work: paths, class folders, counts.
 
-    Lists directories but decodes nothing. Returns None for the synthetic source (nothing to check), a
-    ShardLayout for WebDataset shards (job.data.shards.validate_shards: it also decodes a few samples).
-    Raises BadInput naming the setting or file, the bad value and the fix.
+    Lists directories but decodes nothing. Returns a ShardLayout for WebDataset shards
+    (job.data.shards.validate_shards: it also decodes a few samples) and None for the other sources (synthetic:
+    nothing to check; a user dataset is checked by job.data.usersource). Raises BadInput naming the setting or
+    file, the bad value and the fix.
     """
-    if cfg.source == "synthetic":
-        return None
     if cfg.source == "webdataset":
         from job.data.shards import validate_shards  # imported here: job.data.shards builds on this module
 
         return validate_shards(cfg)
+    if cfg.source != "imagefolder":
+        return None
     if not cfg.path.is_dir():
         what = "is not a directory" if cfg.path.exists() else "does not exist"
         raise BadInput(
@@ -197,7 +200,8 @@ class ImageFiles(Dataset):
             return WorkerFailure(err)
 
     def load(self, index: int) -> tuple[torch.Tensor, int]:
-        """Sample ``index`` decoded, before any transform (job.data.shards.ShardImages reads it from a shard)."""
+        """Sample ``index`` before any transform: a uint8 CHW image and its label (job.data.shards.ShardImages
+        and job.data.usersource.UserImages override it)."""
         path, label = self.samples[index]
         return decode(path), label
 
@@ -320,13 +324,17 @@ def check_train_size(
     world_size: int,
     micro_batch_size: int,
     grad_accum_steps: int,
+    train_size: int | None = None,
 ) -> None:
-    """At least one global batch in the training set (``layout`` from validate_data; None: synthetic).
+    """At least one global batch in the training set (``layout`` from validate_data; None: synthetic, unless
+    ``train_size`` gives the size of another source's training set).
 
     Raises:
         BadInput: naming the data setting, the sample count and the batch arithmetic.
     """
     n, setting, value = cfg.synthetic_train_size, "data.synthetic_train_size", str(cfg.synthetic_train_size)
+    if train_size is not None:
+        n, setting, value = train_size, "data.source", cfg.source
     if isinstance(layout, DataLayout):
         n, setting, value = len(layout.train), "data.path", str(cfg.path)
     elif layout is not None:  # WebDataset shards: the setting that named them
@@ -355,10 +363,9 @@ def build_loaders(
     """Train and val loaders of this rank (see the module docstring for order and determinism)."""
     if cfg.source == "synthetic":
         return _synthetic(cfg, rank, world_size, micro_batch_size, seed, device, grad_accum_steps)
-    layout = validate_data(cfg)
-    assert layout is not None
-    check_train_size(cfg, layout, world_size, micro_batch_size, grad_accum_steps)
-    sampler = ResumableSampler(len(layout.train), rank, world_size, micro_batch_size, seed, grad_accum_steps)
+    sets = _datasets(cfg, seed, device, rank)
+    check_train_size(cfg, sets.layout, world_size, micro_batch_size, grad_accum_steps, train_size=len(sets.train))
+    sampler = ResumableSampler(len(sets.train), rank, world_size, micro_batch_size, seed, grad_accum_steps)
     kw: dict[str, Any] = dict(num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda")
     if cfg.num_workers > 0:
         if socket_tempdir_too_long():
@@ -374,33 +381,60 @@ def build_loaders(
             worker_init_fn=init_worker,
             timeout=cfg.loader_timeout_s,
         )
-    on_device = _decodes_on_device(cfg, layout, device, rank)
-    train_ds, val_ds, kw["collate_fn"] = _datasets(cfg, layout, seed, on_device)
+    kw["collate_fn"] = sets.collate_fn
     train = WorkerTrackingLoader(
-        train_ds, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=_generator(seed), **kw
+        sets.train, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=_generator(seed), **kw
     )
-    val_sampler = ShardSampler(len(layout.val), rank, world_size)
+    val_sampler = ShardSampler(len(sets.val), rank, world_size)
     val = WorkerTrackingLoader(
-        val_ds, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False, generator=_generator(seed), **kw
+        sets.val, batch_size=micro_batch_size, sampler=val_sampler, drop_last=False, generator=_generator(seed), **kw
     )
     r = val_sampler.indices
-    info = ValInfo(len(layout.val), r.start, r.stop, layout.classes)
-    return Loaders(CleanErrors(train), sampler, CleanErrors(val), info, decodes_on_device=on_device)
+    info = ValInfo(len(sets.val), r.start, r.stop, sets.classes)
+    return Loaders(CleanErrors(train), sampler, CleanErrors(val), info, decodes_on_device=sets.on_device)
 
 
-def _datasets(
-    cfg: DataConfig, layout: DataLayout | ShardLayout, seed: int, on_device: bool
-) -> tuple[Dataset, Dataset, Any]:
-    """Train and val datasets of a validated layout, and their collate function."""
-    if not isinstance(layout, DataLayout):
-        from job.data.shards import shard_datasets  # imported here: job.data.shards builds on this module
+@dataclass(frozen=True)
+class Datasets:
+    """One source's map-style train and val datasets, keyed by the samplers' (epoch, index) pairs."""
 
-        return (*shard_datasets(cfg, layout, seed), collate)
-    if on_device:
-        train: Dataset = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
-        return train, EncodedFiles(layout.val, cfg.image_size, seed, random=False), collate_encoded
+    train: Any  # a Dataset with __len__
+    val: Any
+    classes: tuple[str, ...]
+    collate_fn: Any = collate
+    on_device: bool = False
+    layout: DataLayout | ShardLayout | None = None  # what validate_data found (its size check names the setting)
+
+
+def _datasets(cfg: DataConfig, seed: int, device: torch.device, rank: int) -> Datasets:
+    """The dispatch point: each source that reads samples through the DataLoader, by data.source."""
+    if is_import_path(cfg.source):
+        from job.data import usersource  # here, not at the top: usersource builds on this module's ImageFiles
+
+        return usersource.datasets(cfg, seed)
+    if cfg.source == "webdataset":
+        return _webdataset(cfg, seed)
+    return _imagefolder(cfg, seed, device, rank)
+
+
+def _webdataset(cfg: DataConfig, seed: int) -> Datasets:
+    from job.data.shards import shard_datasets, validate_shards  # here: job.data.shards builds on this module
+
+    layout = validate_shards(cfg)
+    train, val = shard_datasets(cfg, layout, seed)
+    return Datasets(train, val, layout.classes, layout=layout)
+
+
+def _imagefolder(cfg: DataConfig, seed: int, device: torch.device, rank: int) -> Datasets:
+    layout = validate_data(cfg)
+    assert isinstance(layout, DataLayout)
+    if _decodes_on_device(cfg, layout, device, rank):
+        train_enc = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
+        val_enc = EncodedFiles(layout.val, cfg.image_size, seed, random=False)
+        return Datasets(train_enc, val_enc, layout.classes, collate_encoded, on_device=True, layout=layout)
     train = ImageFiles(layout.train, train_transform(cfg.image_size, cfg.augment), seed, random=cfg.augment)
-    return train, ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False), collate
+    val = ImageFiles(layout.val, eval_transform(cfg.image_size), seed, random=False)
+    return Datasets(train, val, layout.classes, layout=layout)
 
 
 def _generator(seed: int) -> torch.Generator:

@@ -321,8 +321,8 @@ def check_data(cfg: JobConfig) -> Check:
         layout = validate_data(cfg.data)
     except BadInput as e:
         return Check("storage.data", FAIL, e.what, e.fix or "fix data.path / data.num_classes")
-    if layout is None:
-        return Check("storage.data", PASS, "data.source=synthetic: nothing to read")
+    if layout is None:  # synthetic, or a source its own module checks (a user dataset: train's preflight)
+        return Check("storage.data", PASS, f"data.source={cfg.data.source}: no ImageFolder tree to read")
     if not isinstance(layout, DataLayout):  # WebDataset shards: validate_data decoded the first samples already
         return Check("storage.data", PASS, f"{layout.describe()}; first samples readable")
     path = layout.train[0][0]

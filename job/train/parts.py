@@ -22,6 +22,7 @@ from job.parallel import ddp, distributed
 from job.train.ema import Ema, build_ema
 from job.train.model import build_model
 from job.train.optim import build_optimizer, build_scheduler
+from job.train.weights import load_weights
 
 
 @dataclass
@@ -43,8 +44,11 @@ class Parts:
     channels_last: bool
 
 
-def build_parts(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime) -> Parts:
-    """Every part, seeded the same way on every rank (DDP also broadcasts rank 0's weights)."""
+def build_parts(
+    cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, initial_weights: bool = True
+) -> Parts:
+    """Every part, seeded the same way on every rank (DDP also broadcasts rank 0's weights). ``initial_weights``:
+    load model.weights (a resumed run does not: its checkpoint holds the weights)."""
     device = rt.device
     distributed.seed_all(cfg.run.seed)
     loaders = build_loaders(
@@ -52,7 +56,10 @@ def build_parts(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtim
     )
     loaders = wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last)
     torch.manual_seed(cfg.run.seed)  # identical init everywhere
-    raw_model = build_model(cfg.model, cfg.data.num_classes).to(device)
+    raw_model = build_model(cfg.model, cfg.data.num_classes)
+    if initial_weights:
+        load_weights(cfg.model, raw_model, cfg.data.num_classes, env.is_main)
+    raw_model = raw_model.to(device)
     model = ddp.wrap_model(raw_model, cfg, rt)  # DDP with its knobs/comm hook, or the dp baseline
     train_model = model
     if cfg.model.compile:

@@ -27,6 +27,7 @@ from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, S
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
 from job.data.loaders import check_train_size, decode_choice, validate_data
+from job.data.usersource import check_user_data
 from job.doctor import run as doctor
 from job.errors import EXIT_PREEMPTED, BadInput
 from job.launchers.env import DistEnv, detect_env
@@ -37,10 +38,11 @@ from job.parallel import distributed
 from job.train import debug
 from job.train.evaluate import Evaluator
 from job.train.loop import Run, train_loop
-from job.train.model import validate_model
+from job.train.model import check_model, validate_model
 from job.train.parts import Parts, build_parts
 from job.train.preempt import StopRequest
 from job.train.step import TrainState
+from job.train.weights import check_weights
 
 log = logging.getLogger("job")
 
@@ -66,7 +68,10 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
             value="fp16",
         )
     layout = validate_data(cfg.data)
-    check_train_size(cfg.data, layout, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
+    train_size = check_user_data(cfg.data)  # a user dataset's first items; None for the built-in sources
+    check_train_size(
+        cfg.data, layout, env.world_size, plan.micro_batch_size, plan.grad_accum_steps, train_size=train_size
+    )
     decode_choice(cfg.data, layout, torch.cuda.is_available())
     run_dir = cfg.run_dir
     existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
@@ -80,6 +85,17 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
     return plan
 
 
+def check_start(cfg: JobConfig, env: DistEnv, resuming: bool) -> None:
+    """The model (a user model's output shape included) and, unless resuming, model.weights: built and read before
+    any process group. Local rank 0 fetches torchvision weights into the node's cache; the others read it later."""
+    model = check_model(cfg.model, cfg.data.num_classes, cfg.data.image_size)
+    if resuming:
+        if cfg.model.weights and env.is_main:
+            log.info("resuming: model.weights=%s is not loaded (the checkpoint holds the weights)", cfg.model.weights)
+        return
+    check_weights(cfg.model, model, cfg.data.num_classes, fetch=env.local_rank == 0)
+
+
 def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     environ = os.environ if environ is None else environ
     # --- config ---
@@ -89,6 +105,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     metrics.setup_console(env.rank, env.world_size)
     plan = preflight(cfg, env)
     found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
+    check_start(cfg, env, resuming=found is not None)
     quick = None
     if cfg.doctor.enabled:  # the doctor's quick checks, around the process group created here
         quick = doctor.quick_local(cfg, env, environ)
@@ -116,7 +133,7 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
         stop.install(cfg.train.stop_signals)
         cleanup.callback(stop.restore)
         stop.where = "start-up (before the first step)"
-        parts = build_parts(cfg, env, plan, rt)
+        parts = build_parts(cfg, env, plan, rt, initial_weights=found is None)
         state = TrainState()
         debug.install(cfg.debug, env.rank, parts, state)
         checkpointer = _checkpointer(cfg, env, plan, rt, parts, state)
