@@ -172,6 +172,16 @@ def is_collective_timeout(err: BaseException) -> bool:
     return type(err) is RuntimeError and any(text in str(err) for text in _GLOO_TIMEOUT_TEXTS)
 
 
+_LOADER_TIMEOUT_TEXT = "DataLoader timed out"  # torch/utils/data/dataloader.py, _try_get_data
+
+
+def is_loader_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is torch's DataLoader reporting that its workers delivered no batch within the loader's
+    timeout (``data.loader_timeout_s``). torch raises a plain ``RuntimeError`` for it: as for gloo's collective
+    timeouts, for that type only its text decides."""
+    return type(err) is RuntimeError and _LOADER_TIMEOUT_TEXT in str(err)
+
+
 def exit_code_of(err: BaseException) -> int:
     """The exit code a command that raised ``err`` ends with: its ``exit_code`` for our errors, 124 for a
     collective timeout raised by torch, else 1."""

@@ -200,6 +200,30 @@ def test_a_real_gloo_collective_timeout_is_recognised(tmp_path: Path) -> None:
         assert s["timeout"] is True and s["code"] == EXIT_TIMEOUT, s
 
 
+class _SlowItems:
+    """A dataset whose items take longer than the loader's timeout."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        import time
+
+        time.sleep(5)
+        return i
+
+
+def test_a_real_dataloader_timeout_is_recognised_and_nothing_else() -> None:
+    """torch 2.14.1 raises a plain RuntimeError when no batch arrives within the loader's timeout."""
+    from torch.utils.data import DataLoader
+
+    with pytest.raises(RuntimeError) as e:
+        next(iter(DataLoader(_SlowItems(), num_workers=1, timeout=0.5)))
+    assert type(e.value) is RuntimeError and errors.is_loader_timeout(e.value)
+    assert not errors.is_loader_timeout(RuntimeError("CUDA out of memory"))
+    assert not errors.is_loader_timeout(DataStall("DataLoader timed out: ours, typed."))
+
+
 def test_torch_store_timeouts_are_recognised_by_type() -> None:
     import torch.distributed as dist
 

@@ -47,7 +47,7 @@ from job.data.workers import (
     socket_tempdir_too_long,
     unreadable_image,
 )
-from job.errors import BadInput, DataStall, JobError
+from job.errors import BadInput, DataStall, JobError, is_loader_timeout
 from job.usercode import is_import_path
 
 if TYPE_CHECKING:
@@ -255,9 +255,7 @@ class CleanErrors:
         try:
             yield from self.loader
         except RuntimeError as e:
-            # torch raises a plain RuntimeError for data.loader_timeout_s (dataloader.py _try_get_data):
-            # no type to tell it by, so its text does.
-            if "DataLoader timed out" not in str(e):
+            if not is_loader_timeout(e):  # torch gives it no type of its own (job.errors)
                 raise
             timeout = self.loader.timeout
             raise DataStall(
