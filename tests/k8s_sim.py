@@ -236,6 +236,15 @@ def run_container_once(sim: Any, pod: Pod, run: int, started: str) -> int:
     return rc
 
 
+def signal_pod(sim: Any, name: str, sig: int) -> None:
+    """Signal pod ``name``'s container PID 1 (either API's simulation); SIGKILL takes the whole pod with it."""
+    pid = sim.pods[name].pid1
+    if pid is None:
+        raise RuntimeError(f"pod {name} has no running container to signal")
+    os.kill(pid, sig)
+    sim._event(name, f"signal {signal.Signals(sig).name}")
+
+
 def wait_for_condition(sim: Any, final: tuple[str, ...], timeout: float) -> str:
     """Poll ``sim.condition`` (a simulated job of either API) until it is one of ``final``; returns it."""
     deadline = time.monotonic() + timeout
@@ -400,11 +409,7 @@ class Simulation:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal the container's PID 1; SIGKILL takes every process of the pod with it."""
-        pid = self.pods[name].pid1
-        if pid is None:
-            raise RuntimeError(f"pod {name} has no running container to signal")
-        os.kill(pid, sig)
-        self._event(name, f"signal {signal.Signals(sig).name}")
+        signal_pod(self, name, sig)
 
     def evict(self, names: list[str]) -> None:
         """Node drain: each pod is deleted (SIGTERM, SIGKILL after terminationGracePeriodSeconds),

@@ -309,11 +309,7 @@ class TrainJobSimulation:
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal the container's PID 1; SIGKILL takes every process of the pod with it."""
-        pid = self.pods[name].pid1
-        if pid is None:
-            raise RuntimeError(f"pod {name} has no running container to signal")
-        os.kill(pid, sig)
-        self._event(name, f"signal {signal.Signals(sig).name}")
+        ks.signal_pod(self, name, sig)
 
     def wait(self, timeout: float) -> str:
         """Wait until the TrainJob is Complete or Failed; returns the condition."""
