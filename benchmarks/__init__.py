@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 NAMES = {
     "overhead": "ddp-job train vs a bare DDP loop vs Lightning (steps/s)",
+    "paired": "ddp-job's loop vs a bare DDP step, alternating blocks in one process (steps/s)",
     "comm": "all-reduce calls/bytes per optimizer step; DDP vs no_sync step time",
     "data": "ImageFolder loader images/s vs what the trainer consumes",
     "checkpoint": "time training is blocked per checkpoint: sync, async, plain torch.save",

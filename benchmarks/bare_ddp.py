@@ -5,6 +5,7 @@ memory format and optimizer (SGD momentum 0.9, weight decay 1e-4, foreach) as ``
 else: no scheduler, clipping, logging, checkpoints or stop checks. Writes per-step times (rank 0) and every rank's
 per-step CPU seconds as JSON.
 Also the startup reference: prints the wall time of the first collective and of the first optimizer step.
+``BareLoop`` is the loop's step, which ``benchmarks/paired_worker.py`` alternates with the trainer's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,51 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from benchmarks.common import reference_args  # noqa: E402
 
 
+class BareLoop:
+    """The hand-written step on its own model, DDP wrapper and optimizer (the process group must exist)."""
+
+    def __init__(
+        self,
+        model: str,
+        image_size: int,
+        micro_batch_size: int,
+        device: torch.device,
+        *,
+        channels_last: bool = False,
+        bf16: bool = False,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        cuda = device.type == "cuda"
+        self.device, self.micro, self.bf16 = device, micro_batch_size, bf16
+        self.mf = torch.channels_last if channels_last else torch.contiguous_format
+        torch.manual_seed(0)
+        net = torchvision.models.get_model(model, weights=None, num_classes=10).to(device, memory_format=self.mf)
+        self.ddp = DDP(
+            net, device_ids=[device.index] if cuda else None, gradient_as_bucket_view=gradient_as_bucket_view
+        )
+        kind = {"fused": True} if cuda else {"foreach": True}
+        self.opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, **kind)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        self.n = max(micro_batch_size * 4, 16)
+        shape = (self.n, 3, image_size, image_size)
+        self.images = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
+        self.labels = torch.randint(0, 10, (self.n,), generator=g).to(device)
+        self.mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(self, step: int) -> None:
+        i = (step * self.micro) % (self.n - self.micro + 1)
+        x = (self.images[i : i + self.micro].contiguous(memory_format=self.mf).float() - self.mean) / self.std
+        y = self.labels[i : i + self.micro]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            loss = self.loss_fn(self.ddp(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss.item()  # one host sync per step, like the trainer's finite check
+
+
 def main() -> None:
     a = reference_args()
     cuda = torch.cuda.is_available()
@@ -36,37 +82,16 @@ def main() -> None:
     flag = torch.ones(1, device=device)
     dist.all_reduce(flag)
     t_collective = time.time()
-    torch.manual_seed(0)
-    model = torchvision.models.get_model(a.model, weights=None, num_classes=10).to(device)
-    mf = torch.channels_last if a.channels_last else torch.contiguous_format
-    model = model.to(memory_format=mf)
-    ddp = DDP(model, device_ids=[device.index] if cuda else None)
-    opt = torch.optim.SGD(
-        model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, **({"fused": True} if cuda else {"foreach": True})
+    bare = BareLoop(
+        a.model, a.image_size, a.batch // world, device, channels_last=a.channels_last, bf16=a.precision == "bf16"
     )
-    micro = a.batch // world
-    g = torch.Generator().manual_seed(rank)
-    n = max(micro * 4, 16)
-    images = torch.randint(0, 256, (n, 3, a.image_size, a.image_size), dtype=torch.uint8, generator=g).to(device)
-    labels = torch.randint(0, 10, (n,), generator=g).to(device)
-    mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
-    loss_fn = torch.nn.CrossEntropyLoss()
     times: list[float] = []
     cpu_times: list[float] = []  # CPU seconds of this process (all threads) per step, loop bookkeeping included
     t_first_step = 0.0
     cpu0 = time.process_time()
     for step in range(a.steps):
         t0 = time.perf_counter()
-        i = (step * micro) % (n - micro + 1)
-        x = (images[i : i + micro].contiguous(memory_format=mf).float() - mean) / std
-        y = labels[i : i + micro]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.precision == "bf16"):
-            loss = loss_fn(ddp(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()  # one host sync per step, like the trainer's finite check
+        bare.step(step)
         times.append(time.perf_counter() - t0)
         cpu1 = time.process_time()
         cpu_times.append(cpu1 - cpu0)

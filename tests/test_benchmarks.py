@@ -55,6 +55,34 @@ def test_overhead_quick(tmp_path):
     assert close(r["ratio_cpu_vs_bare"]["median"], r["bare_cpu"]["median"] / r["job_cpu"]["median"])
 
 
+def test_paired_quick_runs_the_real_loop(tmp_path):
+    out = bench(tmp_path, "paired")
+    r = out["result"]["1"]
+    (rep,) = r["reps"]
+    # the trainer's own loop ran one step per job block: pairs x block steps, no more (no final step inside)
+    assert rep["job_steps"] == [out["pairs"] * out["block"]]
+    assert rep["pairs"] == out["pairs"] - int(out["args"]["warmup"])
+    # equal step counts on both sides: the ratio of totals is the ratio of the mean step times
+    assert close(rep["wall"], rep["bare_step_s"] / rep["job_step_s"])
+    assert 0.02 < rep["wall"] < 50 and 0.02 < rep["cpu"] < 50
+    assert close(r["ratio_wall"]["median"], rep["wall"]) and close(r["ratio_cpu"]["median"], rep["cpu"])
+
+
+def test_paired_ratio_is_totals_after_warmup_busiest_rank_cpu():
+    from benchmarks.paired import rep_result
+
+    def block(jw, bw, jc, bc):
+        return {"job_wall_s": jw, "bare_wall_s": bw, "job_cpu_s": jc, "bare_cpu_s": bc}
+
+    rank0 = {"rank": 0, "job_steps": 3, "blocks": [block(9, 1, 9, 1), block(1, 2, 1, 1), block(3, 2, 1, 2)]}
+    rank1 = {"rank": 1, "job_steps": 3, "blocks": [block(9, 1, 9, 1), block(5, 5, 4, 3), block(5, 5, 1, 1)]}
+    got = rep_result([rank1, rank0], warmup=1)  # the first pair (a slow warm-up) is dropped
+    assert got["pairs"] == 2 and got["job_steps"] == [3, 3]
+    assert close(got["wall"], (2 + 2) / (1 + 3))  # rank 0's wall time: the ranks step together
+    assert close(got["cpu"], (3 + 2) / (4 + 1))  # per pair the busiest rank's CPU seconds
+    assert close(got["job_step_s"], 2.0) and close(got["bare_step_s"], 2.0)
+
+
 def test_comm_quick_counts_match_theory(tmp_path):
     import torchvision
 

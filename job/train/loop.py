@@ -42,19 +42,28 @@ class Run:
 
 def train_loop(run: Run) -> int:
     """Train to ``plan.total_steps`` or to a stop request; returns the exit code (0, or 143 after saving)."""
-    state, plan, parts = run.state, run.plan, run.parts
-    first_step = state.step + 1
-    while state.step < plan.total_steps:
-        run.log.before_step()
-        out = train_step(parts, run.batches, plan, state, run.cfg.train, run.stop)
-        if state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
+    first_step = run.state.step + 1
+    while run.state.step < run.plan.total_steps:
+        stop = iteration(run)
+        if run.state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
             distributed.set_train_timeout(run.rt, run.cfg.dist.train_timeout_s)
-        run.log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
-        run.evaluator.after_step(state.step)
-        if stop_agreed(run):
+        if stop:
             return preempted(run)
-        run.checkpointer.after_step(state.step)
     return finish(run)
+
+
+def iteration(run: Run) -> bool:
+    """One pass of the loop: the step, then each component at its cadence; True when the ranks agreed to stop
+    (the checkpoint of a stopping step is the preemption save's)."""
+    state, parts = run.state, run.parts
+    run.log.before_step()
+    out = train_step(parts, run.batches, run.plan, state, run.cfg.train, run.stop)
+    run.log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+    run.evaluator.after_step(state.step)
+    if stop_agreed(run):
+        return True
+    run.checkpointer.after_step(state.step)
+    return False
 
 
 def stop_agreed(run: Run) -> bool:

@@ -128,52 +128,51 @@ def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found
     stop = StopRequest(cfg.run_dir)
     if _drained_after_restart(stop, rt):
         return EXIT_PREEMPTED
-    _start_run_dir(cfg, env, plan, stop, rt)
+    start_run_dir(cfg, env, plan, stop, rt)
     with contextlib.ExitStack() as cleanup:
-        stop.install(cfg.train.stop_signals)
-        cleanup.callback(stop.restore)
-        stop.where = "start-up (before the first step)"
-        parts = build_parts(cfg, env, plan, rt, initial_weights=found is None)
-        state = TrainState()
-        debug.install(cfg.debug, env.rank, parts, state)
-        checkpointer = _checkpointer(cfg, env, plan, rt, parts, state)
-        cleanup.callback(checkpointer.manager.close)
-        stop.busy = checkpointer.manager.in_flight
-        agree_on_checkpoint(found, rt.control_group)
-        if found is not None:
-            checkpointer.restore(found)
-        del found
-        writer = cleanup.enter_context(
-            contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir))
-        )
-        writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
-        observer = observe.Observer(
-            cfg, env, rt.control_group, parts.raw_model, parts.device, plan.global_batch_size, writer, state.step
-        )
-        cleanup.callback(observer.close)
-        progress = _progress(cfg, env, state.step, plan.total_steps)
-        if progress is not None:
-            cleanup.callback(progress.close)
-        train_log = metrics.TrainLog(
-            cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer, observer, progress
-        )
-        evaluator = Evaluator(parts, cfg.data.num_classes, cfg.train.eval_every, plan.total_steps, writer)
-        return train_loop(
-            Run(
-                cfg,
-                env,
-                plan,
-                rt,
-                parts,
-                state,
-                parts.loaders.batches(state),
-                stop,
-                checkpointer,
-                evaluator,
-                train_log,
-                writer,
-            )
-        )
+        return train_loop(build_run(cfg, env, plan, rt, stop, found, cleanup))
+
+
+def build_run(
+    cfg: JobConfig,
+    env: DistEnv,
+    plan: Plan,
+    rt: distributed.Runtime,
+    stop: StopRequest,
+    found: ckpt.Found | None,
+    cleanup: contextlib.ExitStack,
+) -> Run:
+    """Every part of the loop, restored from ``found``; what needs closing is registered on ``cleanup``."""
+    stop.install(cfg.train.stop_signals)
+    cleanup.callback(stop.restore)
+    stop.where = "start-up (before the first step)"
+    parts = build_parts(cfg, env, plan, rt, initial_weights=found is None)
+    state = TrainState()
+    debug.install(cfg.debug, env.rank, parts, state)
+    checkpointer = _checkpointer(cfg, env, plan, rt, parts, state)
+    cleanup.callback(checkpointer.manager.close)
+    stop.busy = checkpointer.manager.in_flight
+    agree_on_checkpoint(found, rt.control_group)
+    if found is not None:
+        checkpointer.restore(found)
+    del found
+    writer = cleanup.enter_context(
+        contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir))
+    )
+    writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
+    observer = observe.Observer(
+        cfg, env, rt.control_group, parts.raw_model, parts.device, plan.global_batch_size, writer, state.step
+    )
+    cleanup.callback(observer.close)
+    progress = _progress(cfg, env, state.step, plan.total_steps)
+    if progress is not None:
+        cleanup.callback(progress.close)
+    train_log = metrics.TrainLog(
+        cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer, observer, progress
+    )
+    evaluator = Evaluator(parts, cfg.data.num_classes, cfg.train.eval_every, plan.total_steps, writer)
+    batches = parts.loaders.batches(state)
+    return Run(cfg, env, plan, rt, parts, state, batches, stop, checkpointer, evaluator, train_log, writer)
 
 
 def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
@@ -190,7 +189,7 @@ def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
     return False
 
 
-def _start_run_dir(cfg: JobConfig, env: DistEnv, plan: Plan, stop: StopRequest, rt: distributed.Runtime) -> None:
+def start_run_dir(cfg: JobConfig, env: DistEnv, plan: Plan, stop: StopRequest, rt: distributed.Runtime) -> None:
     """Rank 0 creates the run directory and writes the resolved config; every rank waits for it."""
     if env.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
