@@ -295,8 +295,9 @@ class DdpConfig(BaseModel):
     model_config = _SECTION
     bucket_cap_mb: float = Field(25.0, gt=0)
     """Gradient bucket size in MiB: larger = fewer, bigger all-reduces; smaller = earlier overlap with backward."""
-    gradient_as_bucket_view: bool = False
-    """Gradients are views into the communication buckets (saves one gradient-sized copy of memory)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into the communication buckets: no bucket-to-gradient copy per step and one
+    gradient-sized buffer less (the bare-loop comparison in docs/benchmarks.md measures the copy)."""
     static_graph: bool = False
     """Promise the set of used parameters never changes (lets DDP skip per-step graph checks)."""
     comm_hook: Literal["none", "bf16", "fp16", "powersgd"] = "none"
