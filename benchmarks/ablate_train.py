@@ -1,4 +1,5 @@
-"""``ddp-job train`` with one per-step extra switched off (ABLATE env var), for benchmarks/profile_overhead.py.
+"""``ddp-job train`` with one per-step extra switched off (ABLATE env var), for benchmarks/profile_overhead.py
+(and, through ``apply``, benchmarks/paired_worker.py).
 
 ABLATE is a comma-separated subset of:
   stopflag   the per-step all-reduce of the stop flag (job.parallel.distributed.all_reduce_max_flag): local flag only
@@ -14,13 +15,15 @@ import sys
 
 import torch
 
+CHOICES = ("stopflag", "clip", "observer")
 
-def main() -> int:
-    off = {x for x in os.environ.get("ABLATE", "").split(",") if x}
-    unknown = off - {"stopflag", "clip", "observer"}
+
+def apply(ablate: str) -> None:
+    """Switch off the extras named in ``ablate`` (comma-separated CHOICES) in this process."""
+    off = {x for x in ablate.split(",") if x}
+    unknown = off - set(CHOICES)
     if unknown:
-        raise SystemExit(f"ABLATE: unknown {sorted(unknown)}; choose from stopflag, clip, observer")
-    from job import cli
+        raise SystemExit(f"ABLATE: unknown {sorted(unknown)}; choose from {', '.join(CHOICES)}")
     from job.observe import observer as observe
     from job.parallel import distributed
 
@@ -32,6 +35,12 @@ def main() -> int:
     if "observer" in off:
         observe.Observer.step_done = lambda self, step, timer: None  # type: ignore[method-assign]
         observe.Observer._grads_ready = lambda self, p: None  # type: ignore[method-assign]
+
+
+def main() -> int:
+    from job import cli
+
+    apply(os.environ.get("ABLATE", ""))
     return cli.main(["train", *sys.argv[1:]])
 
 

@@ -12,7 +12,7 @@ repetitions (separate launches, interleaved over process counts). ``cpu`` is pro
 threads) of the busiest rank, which other processes on the cores inflate less.
 
     ddp-job bench paired [--quick] [--nprocs 1,2] [--reps 5] [--pairs 150] [--block 1] [--log-every 5]
-                         [--bare-bucket-view]
+                         [--bare-bucket-view] [--ablate clip,stopflag,observer]
                          [--job-arg=--ddp.gradient-as-bucket-view --job-arg=false ...]
 """
 
@@ -69,7 +69,7 @@ def one_rep(nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str,
     out = tmp / f"{tag}.json"
     own = [str(out), str(a.pairs), str(a.block), *(["bare-bucket-view"] if a.bare_bucket_view else [])]
     cmd = common.torchrun_cmd(nproc, ["-m", "benchmarks.paired_worker", *own, "--", *args])
-    common.run(cmd, common.child_env(tmp), a.timeout)
+    common.run(cmd, common.child_env(tmp, ABLATE=a.ablate), a.timeout)
     files = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{tag}.json.rank*"))]
     if len(files) != nproc:
         raise RuntimeError(f"{tag}: {len(files)} rank files for {nproc} processes")
@@ -94,6 +94,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--bare-bucket-view", action="store_true", help="the bare DDP with gradient_as_bucket_view")
     p.add_argument("--job-arg", action="append", default=[], help="extra ddp-job train argument (repeatable)")
+    p.add_argument("--ablate", default="", help="trainer extras to switch off: benchmarks/ablate_train.py CHOICES")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """One torchrun worker of ``benchmarks/paired.py``: ddp-job's real loop and the bare DDP step, in alternating
 blocks in the same process.
 
-    python -m benchmarks.paired_worker OUT PAIRS BLOCK [bare-bucket-view] -- <ddp-job train arguments>
+    [ABLATE=clip,...] python -m benchmarks.paired_worker OUT PAIRS BLOCK [bare-bucket-view] -- <train arguments>
 
 The trainer's ``Run`` is built by ``job.train.run.build_run`` (as ``ddp-job train`` builds it) and advanced by
 ``job.train.loop.iteration`` (what its loop runs). The bare step (``benchmarks.bare_ddp.BareLoop``) has its own
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import ablate_train
 from benchmarks.bare_ddp import BareLoop
 from job.config import load_config
 from job.launchers.env import detect_env
@@ -60,6 +61,7 @@ def main(argv: list[str]) -> int:
     split = argv.index("--")
     own, train_args = argv[:split], argv[split + 1 :]
     out, pairs, block, bare_view = own[0], int(own[1]), int(own[2]), "bare-bucket-view" in own[3:]
+    ablate_train.apply(os.environ.get("ABLATE", ""))  # benchmarks/ablate_train.py: extras switched off
     cfg = load_config(train_args, os.environ)
     env = detect_env(os.environ)
     metrics.setup_console(env.rank, env.world_size)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import base_env, require, run_cli
@@ -158,3 +162,23 @@ def test_scaling_refuses_without_gpu(tmp_path):
     assert r.returncode == 2
     assert "needs a CUDA GPU" in r.stdout and "Fix:" in r.stdout
     assert json.loads(r.stdout.strip().splitlines()[-1])["skipped"]
+
+
+GPU_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_run.sh"
+
+
+def test_gpu_run_refuses_without_cuda(tmp_path):
+    env = {**base_env(tmp_path), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(["bash", str(GPU_RUN)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "no CUDA GPU visible" in r.stderr and "Fix:" in r.stderr
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_gpu_run_fits_eight_minutes_by_construction():
+    text = GPU_RUN.read_text()
+    budget = re.search(r"^BUDGET_S=(\d+)", text, re.M)
+    assert budget is not None and int(budget.group(1)) <= 8 * 60
+    # every Python command after the CUDA probe runs under a timeout cut to what is left of the budget
+    runs = [line for line in text.splitlines() if '"$PY" -m' in line]
+    assert len(runs) >= 4 and all('timeout "$(lim' in line for line in runs), runs
