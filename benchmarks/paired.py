@@ -67,7 +67,8 @@ def one_rep(nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str,
         extra=["--log.every", str(a.log_every), *a.job_arg],
     )
     out = tmp / f"{tag}.json"
-    own = [str(out), str(a.pairs), str(a.block), *(["bare-bucket-view"] if a.bare_bucket_view else [])]
+    flags = [name for name, on in (("bare-bucket-view", a.bare_bucket_view), ("bare-first", a.bare_first)) if on]
+    own = [str(out), str(a.pairs), str(a.block), *flags]
     cmd = common.torchrun_cmd(nproc, ["-m", "benchmarks.paired_worker", *own, "--", *args])
     common.run(cmd, common.child_env(tmp, ABLATE=a.ablate), a.timeout)
     files = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{tag}.json.rank*"))]
@@ -93,6 +94,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--bare-bucket-view", action="store_true", help="the bare DDP with gradient_as_bucket_view")
+    p.add_argument("--bare-first", action="store_true", help="build the bare loop before the trainer's parts")
     p.add_argument("--job-arg", action="append", default=[], help="extra ddp-job train argument (repeatable)")
     p.add_argument("--ablate", default="", help="trainer extras to switch off: benchmarks/ablate_train.py CHOICES")
     p.add_argument("--timeout", type=float, default=900)

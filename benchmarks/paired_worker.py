@@ -1,7 +1,10 @@
 """One torchrun worker of ``benchmarks/paired.py``: ddp-job's real loop and the bare DDP step, in alternating
 blocks in the same process.
 
-    [ABLATE=clip,...] python -m benchmarks.paired_worker OUT PAIRS BLOCK [bare-bucket-view] -- <train arguments>
+    [ABLATE=clip,...] python -m benchmarks.paired_worker OUT PAIRS BLOCK [bare-bucket-view] [bare-first] -- ARGS
+
+ARGS are ``ddp-job train`` arguments. ``bare-first`` builds the bare loop's model and optimizer before the trainer's
+(allocation order decides where each side's tensors lie in memory).
 
 The trainer's ``Run`` is built by ``job.train.run.build_run`` (as ``ddp-job train`` builds it) and advanced by
 ``job.train.loop.iteration`` (what its loop runs). The bare step (``benchmarks.bare_ddp.BareLoop``) has its own
@@ -60,7 +63,8 @@ def alternate(run: loop.Run, bare: BareLoop, pairs: int, block: int) -> list[dic
 def main(argv: list[str]) -> int:
     split = argv.index("--")
     own, train_args = argv[:split], argv[split + 1 :]
-    out, pairs, block, bare_view = own[0], int(own[1]), int(own[2]), "bare-bucket-view" in own[3:]
+    out, pairs, block = own[0], int(own[1]), int(own[2])
+    bare_view, bare_first = "bare-bucket-view" in own[3:], "bare-first" in own[3:]
     ablate_train.apply(os.environ.get("ABLATE", ""))  # benchmarks/ablate_train.py: extras switched off
     cfg = load_config(train_args, os.environ)
     env = detect_env(os.environ)
@@ -71,17 +75,21 @@ def main(argv: list[str]) -> int:
         stop = StopRequest(cfg.run_dir)
         job_run.start_run_dir(cfg, env, plan, stop, rt)
         with contextlib.ExitStack() as cleanup:
+
+            def make_bare() -> BareLoop:
+                return BareLoop(
+                    cfg.model.name,
+                    cfg.data.image_size,
+                    plan.micro_batch_size,
+                    rt.device,
+                    channels_last=cfg.model.channels_last,
+                    bf16=cfg.train.precision == "bf16",
+                    gradient_as_bucket_view=bare_view,
+                )
+
+            bare = make_bare() if bare_first else None
             run = job_run.build_run(cfg, env, plan, rt, stop, None, cleanup)
-            bare = BareLoop(
-                cfg.model.name,
-                cfg.data.image_size,
-                plan.micro_batch_size,
-                rt.device,
-                channels_last=cfg.model.channels_last,
-                bf16=cfg.train.precision == "bf16",
-                gradient_as_bucket_view=bare_view,
-            )
-            blocks = alternate(run, bare, pairs, block)
+            blocks = alternate(run, bare or make_bare(), pairs, block)
         with open(f"{out}.rank{env.rank}", "w") as f:
             facts = {"rank": env.rank, "world_size": env.world_size, "job_steps": run.state.step}
             json.dump({**facts, "blocks": blocks, "torch": torch.__version__}, f)

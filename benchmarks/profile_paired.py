@@ -33,8 +33,12 @@ def attribute(raw_lines: list[str]) -> dict[tuple[str, str], collections.Counter
     for line in raw_lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         frames = stack.split(";")
-        pid_match = _PROCESS.match(frames[0])
-        pid = pid_match.group(1) if pid_match else "0"
+        # with --subprocesses each sample starts with one "process PID:cmdline" frame per ancestor: the
+        # innermost is the worker's
+        pids = [m.group(1) for m in map(_PROCESS.match, frames) if m]
+        pid = "0"
+        if pids:
+            pid = pids[-1]
         for side, func in SIDES.items():
             at = [i for i, f in enumerate(frames) if f.startswith(func + " ")]
             if not at:
@@ -75,6 +79,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--pairs", type=int, default=120)
     p.add_argument("--rate", type=int, default=50, help="py-spy samples per second")
     p.add_argument("--bare-bucket-view", action="store_true")
+    p.add_argument("--raw", type=Path, default=None, help="also keep py-spy's raw stacks in this file")
     a = p.parse_args(argv)
     spy = shutil.which("py-spy", path=str(common.BIN)) or shutil.which("py-spy")
     if spy is None:
@@ -91,6 +96,8 @@ def main(argv: list[str]) -> int:
         cmd = [spy, "record", "--subprocesses", "-r", str(a.rate), "-f", "raw", "-o", str(raw), "--", *target]
         subprocess.run(cmd, env=common.child_env(tmp), cwd=common.ROOT, check=True, capture_output=True, timeout=1800)
         per = attribute(raw.read_text().splitlines())
+        if a.raw is not None:
+            shutil.copyfile(raw, a.raw)
     rows = []
     for (pid, side), parts in sorted(per.items()):
         total = sum(parts.values())
