@@ -13,7 +13,7 @@ import datetime
 import os
 import random
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -115,6 +115,33 @@ def all_reduce_max_flag(flag: bool, rt: Runtime) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.control_group)
     return bool(t.item())
+
+
+class StepFlagVote:
+    """The stop vote of one step, all-reduced while the step computes: ``start(flag)`` before the step,
+    ``agreed()`` at its boundary, True on every rank if any rank's flag was set at ``start``.
+
+    The blocking form (``all_reduce_max_flag`` at the boundary) made the ranks wait for each other twice per
+    step, at the gradient all-reduce and again at the flag. Started before the step, the flag's gloo
+    all-reduce completes on gloo's thread during the step, so the boundary's wait is normally zero. The price:
+    a flag raised during step N is agreed at the boundary after step N + 1 (one step later).
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._work: Any = None
+
+    def start(self, flag: bool) -> None:
+        self._flag = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.rt.control_group, async_op=True)
+
+    def agreed(self) -> bool:
+        if self._work is None:
+            return False
+        self._work.wait()
+        self._work = None
+        return bool(self._flag.item())
 
 
 def barrier(rt: Runtime) -> None:

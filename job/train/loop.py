@@ -38,6 +38,7 @@ class Run:
     evaluator: Evaluator
     log: TrainLog
     writer: NullWriter
+    stop_vote: distributed.StepFlagVote
 
 
 def train_loop(run: Run) -> int:
@@ -57,6 +58,7 @@ def iteration(run: Run) -> bool:
     (the checkpoint of a stopping step is the preemption save's)."""
     state, parts = run.state, run.parts
     run.log.before_step()
+    run.stop_vote.start(run.stop.local())
     out = train_step(parts, run.batches, run.plan, state, run.cfg.train, run.stop)
     run.log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
     run.evaluator.after_step(state.step)
@@ -67,9 +69,10 @@ def iteration(run: Run) -> bool:
 
 
 def stop_agreed(run: Run) -> bool:
-    """At the step boundary, on every rank: stop if any rank was asked to (the same step everywhere)."""
+    """At the step boundary, on every rank: stop if any rank had been asked to when the step began (the same
+    step everywhere; a request that arrives during the step stops the run after the next one)."""
     run.stop.where = f"the boundary after step {run.state.step}"
-    return distributed.all_reduce_max_flag(run.stop.local(), run.rt)
+    return run.stop_vote.agreed()
 
 
 def preempted(run: Run) -> int:

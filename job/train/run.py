@@ -172,7 +172,8 @@ def build_run(
     )
     evaluator = Evaluator(parts, cfg.data.num_classes, cfg.train.eval_every, plan.total_steps, writer)
     batches = parts.loaders.batches(state)
-    return Run(cfg, env, plan, rt, parts, state, batches, stop, checkpointer, evaluator, train_log, writer)
+    vote = distributed.StepFlagVote(rt)
+    return Run(cfg, env, plan, rt, parts, state, batches, stop, checkpointer, evaluator, train_log, writer, vote)
 
 
 def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
