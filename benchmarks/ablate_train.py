@@ -2,7 +2,7 @@
 (and, through ``apply``, benchmarks/paired_worker.py).
 
 ABLATE is a comma-separated subset of:
-  stopflag   the per-step all-reduce of the stop flag (job.parallel.distributed.all_reduce_max_flag): local flag only
+  stopflag   the per-step stop vote (job.parallel.distributed.StepFlagVote): this rank's flag, no all-reduce
   clip       the per-step gradient norm (get_total_norm; clip_grad_norm_ when clipping): 0 without computing
   observer   the per-step observer work (progress file writes, per-rank stats gather every N steps)
 Profiling only: an ablated run is not safe to preempt (stopflag) or to clip (clip).
@@ -28,7 +28,8 @@ def apply(ablate: str) -> None:
     from job.parallel import distributed
 
     if "stopflag" in off:
-        distributed.all_reduce_max_flag = lambda flag, rt: flag  # type: ignore[assignment]
+        distributed.StepFlagVote.start = lambda self, flag: setattr(self, "_local", flag)  # type: ignore[method-assign]
+        distributed.StepFlagVote.agreed = lambda self: getattr(self, "_local", False)  # type: ignore[method-assign]
     if "clip" in off:
         torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **kw: torch.zeros(())  # type: ignore[assignment]
         torch.nn.utils.get_total_norm = lambda tensors, **kw: torch.zeros(())  # type: ignore[assignment]

@@ -32,7 +32,7 @@ from conftest import ROOT, base_env, bin_path, make_data, require
 
 from job.launchers.env import LAUNCHER_VAR_PREFIXES
 
-STEPS = 10  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
+STEPS = 14  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
 
 
 def train_args(data: Path, out: Path, name: str, *extra: str) -> list[str]:
@@ -208,12 +208,13 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(
     chain = train_args(tiny_data, out, "chain")
     run_dir = out / "chain"
 
-    # 1. SIGTERM to the agent (what Kubernetes and scancel do) right after step 2 is logged: it lands during
-    #    step 3's first micro-batch, i.e. in the middle of gradient accumulation. A second SIGTERM, sent to
-    #    the workers themselves while they save, must change nothing.
-    #    Rank 0 sleeps 10 s before step 3's first forward (the straggler aid) and the signal is sent 3 s after
-    #    step 2 is logged, so it lands inside micro-batch 1/2 however loaded the machine is (sent at once, it
-    #    can land before the step boundary's stop check). A sleep changes no number.
+    # 1. SIGTERM to the agent (what Kubernetes and scancel do) right after step 3 is logged: it lands during
+    #    step 4's first micro-batch, i.e. in the middle of gradient accumulation; step 4's stop vote was taken
+    #    when it started, so the run stops after step 5 (mid-epoch). A second SIGTERM, sent to the workers
+    #    themselves while they save, must change nothing.
+    #    Rank 0 sleeps 10 s before step 4's first forward (the straggler aid) and the signal is sent 3 s after
+    #    step 3 is logged, so it lands inside micro-batch 1/2 however loaded the machine is (sent at once, it
+    #    can land before step 4 starts). A sleep changes no number.
     a1 = Job(
         tmp_path,
         [],
@@ -226,12 +227,12 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(
             "--debug.straggler-rank",
             "0",
             "--debug.straggler-steps",
-            "3",
+            "4",
         ],
     )
     jobs.append(a1)
-    a1.wait_for(rf"\[rank 0/2\] INFO step 2/{STEPS} ")
-    a1.wait_for(rf"\[rank 1/2\] INFO step 2/{STEPS} ")  # both ranks are past step 2
+    a1.wait_for(rf"\[rank 0/2\] INFO step 3/{STEPS} ")
+    a1.wait_for(rf"\[rank 1/2\] INFO step 3/{STEPS} ")  # both ranks are past step 3
     time.sleep(3.0)
     a1.signal(signal.SIGTERM)
     _, m = a1.wait_for(r"stop requested \(signal SIGTERM, received during ([^)]*)\): saving at step (\d+)")
@@ -241,16 +242,16 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(
     landed = re.findall(r"received during (step \d+ micro-batch \d/2)", a1.text)
     assert any(w.endswith("1/2") for w in landed), f"the signal did not land during accumulation: {m[0]}\n{a1.tail()}"
     stop1 = int(m[2])
-    assert stop1 < 4, "attempt 2 needs step 4 ahead of it"
+    assert stop1 == 5, "a request during step 4 stops the run after step 5 (the next step it starts)"
     assert sorted(int(p.name[5:]) for p in run_dir.glob("step-???????")) == [stop1]
 
-    # 2. Async saving on; SIGTERM while the background write of step 4 is in flight.
+    # 2. Async saving on; SIGTERM while the background write of step 6 is in flight.
     # The writer waits 5 s before writing, so the signal lands while the write is in flight however fast
     # the (tiny) state is written.
-    a2 = Job(tmp_path, [], [*chain, "--ckpt.every", "4", "--ckpt.async-save", "on", "--debug.ckpt-write-delay-s", "5"])
+    a2 = Job(tmp_path, [], [*chain, "--ckpt.every", "6", "--ckpt.async-save", "on", "--debug.ckpt-write-delay-s", "5"])
     jobs.append(a2)
     a2.wait_for(rf"resumed from .*step-{stop1:07d}")
-    a2.wait_for(r"writing checkpoint .*step-0000004 in the background")
+    a2.wait_for(r"writing checkpoint .*step-0000006 in the background")
     a2.signal(signal.SIGTERM)
     a2.wait_for(
         r"\[rank 0/2\] INFO stop requested \(signal SIGTERM, received during [^)]*a checkpoint write was in flight\)"

@@ -2,14 +2,15 @@
 run directory's STOP file for launchers that can only run a shell command (or a person with ``touch``).
 
 A stop request, however it arrives, makes every rank stop after the same step, save, and exit 143
-(``job.train.preempt`` turns signals into a flag; the loop checks both at each step boundary).
+(``job.train.preempt`` turns signals into a flag; the loop reads both as each step starts and the ranks agree
+at that step's boundary).
 
 ``<run_dir>/STOP`` has three states::
 
-    absent ──request()──> requested ──(trainer saves at the next step boundary)──> honoured
-       ^                      │                                                        │
-       └── begin_attempt() ───┴──── (a launcher starting a new attempt) ───────────────┘
-       └── discard_honoured() ─────────────────────── (a trainer starting afresh) ─────┘
+    absent ──request()──> requested ──(trainer saves after the next step it starts)──> honoured
+       ^                      │                                                            │
+       └── begin_attempt() ───┴──── (a launcher starting a new attempt) ───────────────────┘
+       └── discard_honoured() ─────────────────────────── (a trainer starting afresh) ─────┘
 
 * ``request`` creates the file, empty. Anyone may call it: ``slurm/train.sbatch``'s USR1/USR2 trap (as a
   shell ``: > STOP``), the submit task on submitit's signal, a person.
@@ -17,7 +18,7 @@ A stop request, however it arrives, makes every rank stop after the same step, s
   mark into it (``mark_honoured``). Nothing ever re-touches the file.
 * A trainer starting afresh removes only an honoured file, a finished request from the previous attempt. It
   keeps a requested one: that request arrived while the job was starting (the signal won the race against
-  the trainer's start-up), and it is honoured at the first step boundary.
+  the trainer's start-up), and it is honoured after the first step.
 * A worker group that torchrun restarted (``--max-restarts``) and that finds the file in any state exits
   143 at once without training: its node is being drained.
 * A launcher that starts a new attempt of a job (the sbatch script, the submit task) removes the file in
@@ -47,7 +48,7 @@ def stop_file(run_dir: Path) -> Path:
 
 
 def request(run_dir: Path) -> None:
-    """Ask the run in ``run_dir`` to stop at its next step boundary (creates the directory if needed)."""
+    """Ask the run in ``run_dir`` to stop after the next step it starts (creates the directory if needed)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     stop_file(run_dir).write_text("")
 

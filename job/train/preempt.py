@@ -1,7 +1,7 @@
 """Preemption: signal early, act late.
 
 Handlers only set a flag (saving inside a handler can deadlock: Lightning#21406). Two ways to ask a run
-to stop, both checked at every step boundary:
+to stop, both read as each step starts:
 
 * a signal in ``train.stop_signals`` delivered to the worker. Plain torchrun forwards only
   SIGTERM/SIGINT/SIGHUP/SIGQUIT; ``ddp-job launch`` (and ``ddp-job train`` launching itself) adds
@@ -15,8 +15,9 @@ The agent delivers signals with killpg to each rank's process group, which holds
 workers: they ignore the stop signals (``ignore_stop_signals``), otherwise their death makes the
 DataLoader raise in the trainer before it can save.
 
-Then all ranks agree with an all-reduce (MAX), so every rank stops after the same step, rank 0 saves, and
-all exit with EXIT_PREEMPTED. Time budget: the rest of the current step + one checkpoint write (sync: the
+Then all ranks agree with an all-reduce (MAX) that runs during the step (``job.parallel.distributed.StepFlagVote``),
+so every rank stops after the same step (the one that began after the request), rank 0 saves, and all exit
+with EXIT_PREEMPTED. Time budget: the rest of the current step + one more step + one checkpoint write (sync: the
 whole write; async: the host copy plus the wait for any write in flight) + process exit must fit before the
 launcher's hard kill (torchrun: ``--shutdown-timeout``, default 30 s after it forwards the signal; Slurm:
 the ``--signal`` lead time; Kubernetes: terminationGracePeriodSeconds). A second signal only bumps a count.
