@@ -87,6 +87,30 @@ def test_paired_ratio_is_totals_after_warmup_busiest_rank_cpu():
     assert close(got["job_step_s"], 2.0) and close(got["bare_step_s"], 2.0)
 
 
+def test_profile_paired_attributes_each_rank_and_line():
+    from benchmarks.profile_paired import attribute
+
+    agent, w0, w1 = 'process 10:"torchrun"', 'process 11:"python -m benchmarks.paired_worker"', 'process 12:"python"'
+    loop = "main (benchmarks/paired_worker.py:82);alternate (benchmarks/paired_worker.py:53)"
+    job = f"{loop};alternate.<locals>.job_step (benchmarks/paired_worker.py:45)"
+    bare = f"{loop};BareLoop.step (benchmarks/bare_ddp.py:66)"
+    raw = [
+        f"{agent};{w0};{job};iteration (job/train/loop.py:62);train_step (job/train/step.py:85);"
+        "get_total_norm (torch/nn/utils/clip_grad.py:95) 7",
+        f"{agent};{w0};{job};iteration (job/train/loop.py:65);stop_agreed (job/train/loop.py:75) 2",
+        f"{agent};{w0};{bare};Tensor.backward (torch/_tensor.py:623) 5",
+        f"{agent};{w1};{bare} 3",
+        f"{agent};{w1};Thread.run (threading.py:1010) 4",  # neither side's step: not counted
+        f"{agent};_run_module_as_main (<frozen runpy>:198) 9",  # the agent itself
+    ]
+    got = attribute(raw)
+    assert got == {
+        ("11", "job"): {"step.py:85": 7, "loop.py:65": 2},
+        ("11", "bare"): {"bare_ddp.py:66": 5},
+        ("12", "bare"): {"bare_ddp.py:66": 3},
+    }
+
+
 def test_comm_quick_counts_match_theory(tmp_path):
     import torchvision
 
