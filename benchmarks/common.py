@@ -31,6 +31,30 @@ def reference_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The options of the benchmarks that race ddp-job against a reference: process counts, repetitions, and
+    the work (model, image size, global batch, precision, memory format). ``resolve_workload`` fills defaults."""
+    p.add_argument("--quick", action="store_true", help="tiny run that only proves the benchmark works (CI)")
+    p.add_argument("--nprocs", default=None, help="comma-separated process counts (default 1,2; quick 1)")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="global batch")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--workdir", type=Path, default=None)
+
+
+def resolve_workload(a: argparse.Namespace) -> None:
+    """Defaults of ``add_workload_args``: resnet18 at 32 px, batch 32, 1 and 2 processes, 5 repetitions;
+    ``--quick``: 16 px, batch 8, 1 process, 1 repetition."""
+    q = a.quick
+    a.nprocs = [int(x) for x in (a.nprocs or ("1" if q else "1,2")).split(",")]
+    a.reps = a.reps or (1 if q else 5)
+    a.image_size = a.image_size or (16 if q else 32)
+    a.batch = a.batch or (8 if q else 32)
+
+
 def median_spread(values: Iterable[float]) -> dict[str, float]:
     """Median and spread (min, max, and the relative half-range) of ``values``."""
     v = sorted(float(x) for x in values)

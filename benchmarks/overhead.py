@@ -109,17 +109,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="ddp-job bench overhead", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="tiny run that only proves the benchmark works (CI)")
-    p.add_argument("--nprocs", default=None, help="comma-separated process counts (default 1,2; quick 1)")
-    p.add_argument("--reps", type=int, default=None)
+    common.add_workload_args(p)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--log-every", type=int, default=None)
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--image-size", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="global batch")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--channels-last", action="store_true")
     p.add_argument(
         "--lightning",
         default="auto",
@@ -127,16 +120,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="auto: run it when installed (pip install 'ddp-job[bench]'); on: required",
     )
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args(argv)
+    common.resolve_workload(a)
     q = a.quick
-    a.nprocs = [int(x) for x in (a.nprocs or ("1" if q else "1,2")).split(",")]
-    a.reps = a.reps or (1 if q else 5)
     a.steps = a.steps or (6 if q else 30)
     a.warmup = a.warmup if a.warmup is not None else (2 if q else 5)
     a.log_every = a.log_every or (1 if q else 5)
-    a.image_size = a.image_size or (16 if q else 32)
-    a.batch = a.batch or (8 if q else 32)
     return a
 
 

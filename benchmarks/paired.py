@@ -81,32 +81,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="ddp-job bench paired", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="tiny run that only proves the benchmark works (CI)")
-    p.add_argument("--nprocs", default=None, help="comma-separated process counts (default 1,2; quick 1)")
-    p.add_argument("--reps", type=int, default=None)
+    common.add_workload_args(p)
     p.add_argument("--pairs", type=int, default=None, help="job/bare block pairs per repetition")
     p.add_argument("--warmup", type=int, default=None, help="pairs discarded at the start")
     p.add_argument("--block", type=int, default=1, help="steps per block")
     p.add_argument("--log-every", type=int, default=5, help="the trainer's log.every (and observer cadence)")
-    p.add_argument("--model", default="resnet18")
-    p.add_argument("--image-size", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="global batch")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--channels-last", action="store_true")
     p.add_argument("--bare-bucket-view", action="store_true", help="the bare DDP with gradient_as_bucket_view")
     p.add_argument("--bare-first", action="store_true", help="build the bare loop before the trainer's parts")
     p.add_argument("--job-arg", action="append", default=[], help="extra ddp-job train argument (repeatable)")
     p.add_argument("--ablate", default="", help="trainer extras to switch off: benchmarks/ablate_train.py CHOICES")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args(argv)
-    q = a.quick
-    a.nprocs = [int(x) for x in (a.nprocs or ("1" if q else "1,2")).split(",")]
-    a.reps = a.reps or (1 if q else 5)
-    a.pairs = a.pairs or (6 if q else 150)
-    a.warmup = a.warmup if a.warmup is not None else (2 if q else 10)
-    a.image_size = a.image_size or (16 if q else 32)
-    a.batch = a.batch or (8 if q else 32)
+    common.resolve_workload(a)
+    a.pairs = a.pairs or (6 if a.quick else 150)
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 10)
     if a.warmup >= a.pairs:
         p.error(f"--warmup {a.warmup} leaves no pair of --pairs {a.pairs}; use --warmup < --pairs")
     return a
