@@ -55,6 +55,20 @@ def resolve_workload(a: argparse.Namespace) -> None:
     a.batch = a.batch or (8 if q else 32)
 
 
+def workload_train_args(run_dir: Path, a: argparse.Namespace, steps: int, extra: Sequence[str] = ()) -> list[str]:
+    """``job_train_args`` for the work of ``add_workload_args`` (model, image size, batch, precision, format)."""
+    return job_train_args(
+        run_dir,
+        model=a.model,
+        image_size=a.image_size,
+        batch=a.batch,
+        steps=steps,
+        precision=a.precision,
+        channels_last=a.channels_last,
+        extra=extra,
+    )
+
+
 def median_spread(values: Iterable[float]) -> dict[str, float]:
     """Median and spread (min, max, and the relative half-range) of ``values``."""
     v = sorted(float(x) for x in values)

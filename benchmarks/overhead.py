@@ -61,16 +61,7 @@ def run_variant(kind: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: st
     timeout = a.timeout
     if kind == "job":
         run_dir = tmp / "runs" / tag
-        args = common.job_train_args(
-            run_dir,
-            model=a.model,
-            image_size=a.image_size,
-            batch=a.batch,
-            steps=a.steps,
-            precision=a.precision,
-            channels_last=a.channels_last,
-            extra=["--log.every", str(a.log_every)],
-        )
+        args = common.workload_train_args(run_dir, a, a.steps, ["--log.every", str(a.log_every)])
         common.run(common.torchrun_cmd(nproc, ["-m", "job", "train", *args]), env, timeout)
         logged, wall = job_times(run_dir, a.warmup, a.log_every)
         return {

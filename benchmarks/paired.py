@@ -56,16 +56,8 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 
 def one_rep(nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
     run_dir = tmp / "runs" / tag
-    args = common.job_train_args(
-        run_dir,
-        model=a.model,
-        image_size=a.image_size,
-        batch=a.batch,
-        steps=a.pairs * a.block + 1,  # never the last step: no final evaluation or save inside a block
-        precision=a.precision,
-        channels_last=a.channels_last,
-        extra=["--log.every", str(a.log_every), *a.job_arg],
-    )
+    steps = a.pairs * a.block + 1  # never the last step: no final evaluation or save falls inside a block
+    args = common.workload_train_args(run_dir, a, steps, ["--log.every", str(a.log_every), *a.job_arg])
     out = tmp / f"{tag}.json"
     flags = [name for name, on in (("bare-bucket-view", a.bare_bucket_view), ("bare-first", a.bare_first)) if on]
     own = [str(out), str(a.pairs), str(a.block), *flags]

@@ -24,16 +24,7 @@ VARIANTS = ["job", "job -stopflag", "job -clip", "job -observer", "job -stopflag
 
 def run_ablated(ablate: str, nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
     run_dir = tmp / "runs" / tag
-    args = common.job_train_args(
-        run_dir,
-        model=a.model,
-        image_size=a.image_size,
-        batch=a.batch,
-        steps=a.steps,
-        precision=a.precision,
-        channels_last=a.channels_last,
-        extra=["--log.every", str(a.log_every)],
-    )
+    args = common.workload_train_args(run_dir, a, a.steps, ["--log.every", str(a.log_every)])
     env = common.child_env(tmp, ABLATE=ablate)
     common.run(common.torchrun_cmd(nproc, [str(HERE / "ablate_train.py"), *args]), env, a.timeout)
     logged, wall = job_times(run_dir, a.warmup, a.log_every)
