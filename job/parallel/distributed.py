@@ -13,7 +13,7 @@ import datetime
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
@@ -129,8 +129,8 @@ class StepFlagVote:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self._flag = torch.zeros(1, dtype=torch.int32)
-        self._work: Any = None
+        self._flag = torch.zeros(1, dtype=torch.int32)  # the tensor the all-reduce in flight writes into
+        self._work: dist.Work | None = None
 
     def start(self, flag: bool) -> None:
         self._flag = torch.tensor([1 if flag else 0], dtype=torch.int32)
