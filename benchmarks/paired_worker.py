@@ -27,7 +27,8 @@ import torch
 
 from benchmarks import ablate_train
 from benchmarks.bare_ddp import BareLoop
-from job.config import load_config
+from job.config import JobConfig, load_config
+from job.config.plan import Plan
 from job.launchers.env import detect_env
 from job.observe import metrics
 from job.parallel import distributed
@@ -60,6 +61,19 @@ def alternate(run: loop.Run, bare: BareLoop, pairs: int, block: int) -> list[dic
     return blocks
 
 
+def bare_loop(cfg: JobConfig, plan: Plan, rt: distributed.Runtime, bucket_view: bool) -> BareLoop:
+    """The bare step for the trainer's work: its model, image size, micro-batch, device, format, precision."""
+    return BareLoop(
+        cfg.model.name,
+        cfg.data.image_size,
+        plan.micro_batch_size,
+        rt.device,
+        channels_last=cfg.model.channels_last,
+        bf16=cfg.train.precision == "bf16",
+        gradient_as_bucket_view=bucket_view,
+    )
+
+
 def main(argv: list[str]) -> int:
     split = argv.index("--")
     own, train_args = argv[:split], argv[split + 1 :]
@@ -75,21 +89,13 @@ def main(argv: list[str]) -> int:
         stop = StopRequest(cfg.run_dir)
         job_run.start_run_dir(cfg, env, plan, stop, rt)
         with contextlib.ExitStack() as cleanup:
-
-            def make_bare() -> BareLoop:
-                return BareLoop(
-                    cfg.model.name,
-                    cfg.data.image_size,
-                    plan.micro_batch_size,
-                    rt.device,
-                    channels_last=cfg.model.channels_last,
-                    bf16=cfg.train.precision == "bf16",
-                    gradient_as_bucket_view=bare_view,
-                )
-
-            bare = make_bare() if bare_first else None
-            run = job_run.build_run(cfg, env, plan, rt, stop, None, cleanup)
-            blocks = alternate(run, bare or make_bare(), pairs, block)
+            if bare_first:
+                bare = bare_loop(cfg, plan, rt, bare_view)
+                run = job_run.build_run(cfg, env, plan, rt, stop, None, cleanup)
+            else:
+                run = job_run.build_run(cfg, env, plan, rt, stop, None, cleanup)
+                bare = bare_loop(cfg, plan, rt, bare_view)
+            blocks = alternate(run, bare, pairs, block)
         with open(f"{out}.rank{env.rank}", "w") as f:
             facts = {"rank": env.rank, "world_size": env.world_size, "job_steps": run.state.step}
             json.dump({**facts, "blocks": blocks, "torch": torch.__version__}, f)
