@@ -4,26 +4,30 @@ Follows the simulation recipe of the operator's behaviour (OPERATOR-BEHAVIOUR.md
 network namespace per pod on a private bridge:
 
 * pods ``<job>-master-0`` / ``<job>-worker-<i>`` (§2), each with its own IP, hostname, mount and PID
-  namespace (tests/k8s_pod.py), its own ``/etc/hosts`` (``ip netns exec`` bind-mounts
-  ``/etc/netns/NS/hosts``) that always holds its own name and holds the other pods' names only while
-  their container runs: what the headless Services' DNS records do (Ready pods only);
+  namespace and a root filesystem of its own (tests/k8s_pod.py), its own ``/etc/hosts`` (a file in the
+  simulation's work directory, bind-mounted into its containers) that always holds its own name and holds
+  the other pods' names only while their container runs: what the headless Services' DNS records do
+  (Ready pods only);
 * the operator's environment appended after the container's own ``env`` (§3, ``operator_env``);
 * worker pods wait for ``<job>-master-0`` to resolve first (the ``init-pytorch`` init container);
 * the container's ``command`` + ``args`` executed as written in the simulated image (no image registry
-  here): docker/Dockerfile's layout, the checkout under test read-only at ``/opt/ddp-job`` and the
-  project's venv at ``/opt/venv`` (``image_mounts``), with ``PATH`` and ``PYTHONPATH`` pointing there
-  (``IMAGE_ENV``). Never the host paths: every pod mounts its own ``/tmp`` and other volumes over the
-  host's tree, so a checkout under ``/tmp`` would not exist inside the pods. ConfigMaps become
+  here): the host's operating system read-only, docker/Dockerfile's layout, the checkout under test
+  read-only at ``/opt/ddp-job`` and the project's venv at ``/opt/venv`` (``image_layers``), with ``PATH``
+  and ``PYTHONPATH`` pointing there (``IMAGE_ENV``). Never the host paths: a pod's root holds only the
+  image and its volumes, so a checkout under ``/tmp`` would not exist inside the pods. ConfigMaps become
   read-only directories, the PVC one shared directory, ``emptyDir: {medium: Memory}`` a size-limited tmpfs;
 * restarts per ``restartPolicy`` (§4) with the kubelet's CrashLoopBackOff, the job's conditions (§5),
   ``backoffLimit`` and ``cleanPodPolicy`` (§6); evicted pods (node drain) are recreated with a new IP.
 
-Addresses come from 10.232.0.0/24 and exist only inside these namespaces; the bridge ``k8sbr0`` has
-no address in the host namespace, so no traffic leaves them. Needs root, iproute2 and mount.
+Addresses come from 10.232.0.0/24 and exist only inside these namespaces; the simulation's own bridge
+has no address in the host namespace, so no traffic leaves them. A simulation creates nothing on the
+host outside its work directory but its uniquely named network namespaces, veths and bridge
+(``Network``), so any number of simulations of either API run at once. Needs root and iproute2.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -39,29 +43,55 @@ from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
 POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"
-BRIDGE, PREFIX, NS_PREFIX = "k8sbr0", "10.232.0", "k8s-"
+OPERATOR_SUBNET = "10.232.0"  # the first three octets of the PyTorchJob pods' addresses
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 IMAGE_SRC, IMAGE_VENV = "/opt/ddp-job", "/opt/venv"  # where docker/Dockerfile puts the project and its venv
 # The image's own environment (its ENV lines), before the container's env. PYTHONPATH: the venv's editable
-# install points at the checkout's host path, which a pod may not see; the image's copy is imported instead.
+# install points at the checkout's host path, which a pod does not see; the image's copy is imported instead.
 IMAGE_ENV = {"PATH": f"{IMAGE_VENV}/bin:{IMAGE_PATH}", "PYTHONPATH": IMAGE_SRC, "PYTHONDONTWRITEBYTECODE": "1"}
+# The host's operating system as the image's base layer (read-only); merged-/usr links are made as links.
+OS_LAYERS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 NAMESPACE, CLUSTER_DOMAIN = "default", "cluster.local"
 RETRYABLE = 128  # ExitCode policy: exit codes >= 128 are retried (§4)
 EVICTED = 0xBEEF  # the operator's sentinel when no terminated state is found
+IFNAMSIZ = 15  # the longest Linux interface name
+_serials = itertools.count()
 
 
 @dataclass(frozen=True)
 class Network:
-    """One simulated cluster network: its bridge, the prefix of its namespaces and veths, its /24. Two
-    simulations with different networks can run at once (teardown removes only its own)."""
+    """One simulation's cluster network: a bridge, one network namespace and veth pair per pod, and a /24.
 
-    bridge: str
-    ns_prefix: str
-    veth_prefix: str
+    Every name carries the owning process's pid and a serial number, so any number of simulations (of
+    either API, in any number of test processes) run at once, each removing only its own; what a process
+    killed hard left behind is recognised by its dead owner and removed by the next simulation
+    (``sweep_orphans``). The /24 may repeat: each bridge is its own link, unreachable from the host."""
+
     subnet: str  # the first three octets
+    owner: int = field(default_factory=os.getpid)
+    serial: int = field(default_factory=lambda: next(_serials))
+
+    @property
+    def tag(self) -> str:
+        return f"{self.owner}x{self.serial}"
+
+    @property
+    def bridge(self) -> str:
+        return _ifname(f"sb{self.tag}")
+
+    @property
+    def ns_prefix(self) -> str:
+        return f"sim-{self.tag}-"
+
+    def veth(self, index: int, end: str) -> str:
+        """The host (``v``) or pod (``p``) end of pod ``index``'s veth pair."""
+        return _ifname(f"s{self.tag}{end}{index}")
 
 
-OPERATOR_NET = Network(BRIDGE, NS_PREFIX, "k8s", PREFIX)
+def _ifname(name: str) -> str:
+    if len(name) > IFNAMSIZ:
+        raise ValueError(f"interface name {name!r} is longer than {IFNAMSIZ} characters")
+    return name
 
 
 # ----------------------------------------------------------------------------- pure operator logic
@@ -186,10 +216,32 @@ def image_bin(venv: Path, out: Path) -> Path:
     return out
 
 
-def image_mounts(venv: Path, bin_dir: Path) -> list[dict]:
-    """The image's read-only layers as bind mounts (tests/k8s_pod.py): listed before the pod's volumes,
-    whose mounts (``/tmp``) may hide these sources."""
+def interpreter_prefix(venv: Path) -> Path:
+    """Where the venv's base interpreter is installed (``home`` in pyvenv.cfg is its ``bin/``)."""
+    for line in (venv / "pyvenv.cfg").read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "home":
+            return Path(value.strip()).resolve().parent
+    raise ValueError(f"{venv / 'pyvenv.cfg'} has no 'home' line: not a venv")
+
+
+def image_layers(venv: Path, bin_dir: Path) -> list[dict]:
+    """The image's read-only layers, in mount order (tests/k8s_pod.py mounts them into each container's own
+    root): the host's operating system, its devices, the base interpreter that the venv links to (at its
+    own path), the checkout at IMAGE_SRC and the venv at IMAGE_VENV with its rewritten ``bin/``."""
+    layers: list[dict] = []
+    for name in OS_LAYERS:
+        path = Path("/") / name
+        if path.is_symlink():
+            layers.append({"kind": "symlink", "source": os.readlink(path), "target": str(path)})
+        elif path.is_dir():
+            layers.append({"kind": "bind", "source": str(path), "target": str(path), "read_only": True})
+    layers.append({"kind": "bind", "source": "/dev", "target": "/dev"})
+    prefix = interpreter_prefix(venv)
+    if not prefix.is_relative_to("/usr"):
+        layers.append({"kind": "bind", "source": str(prefix), "target": str(prefix), "read_only": True})
     return [
+        *layers,
         {"kind": "bind", "source": str(REPO), "target": IMAGE_SRC, "read_only": True},
         {"kind": "bind", "source": str(venv.resolve()), "target": IMAGE_VENV, "read_only": True},
         {"kind": "bind", "source": str(bin_dir), "target": f"{IMAGE_VENV}/bin", "read_only": True},
@@ -215,6 +267,29 @@ class Pod:
     pid1: int | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    hosts: Path | None = None  # its /etc/hosts on the host, made with its network (make_pod_network)
+
+
+def container_spec(pod: Pod, label: str, workdir: Path, layers: list[dict], mounts: list[dict], **run: Any) -> dict:
+    """tests/k8s_pod.py's SPEC for one container run of ``pod`` (``label``: the run's number, or ``init``):
+    its own root under ``workdir``, the pod's network namespace, hosts file and hostname; ``run`` holds the
+    container's ``command``, ``env`` and ``cwd``."""
+    if pod.hosts is None:
+        raise RuntimeError(f"pod {pod.name} has no network yet")
+    stem = workdir / "pods" / f"{pod.name}.{pod.generation}.{label}"
+    root = stem.with_name(stem.name + ".root")
+    root.mkdir(parents=True, exist_ok=True)  # an empty mount point: the shim mounts the container's root on it
+    return {
+        "hostname": pod.name,
+        "netns": f"/run/netns/{pod.netns}",
+        "root": str(root),
+        "hosts": str(pod.hosts),
+        "resolv_conf": str(pod.hosts.with_name("resolv.conf")),
+        "layers": layers,
+        "mounts": mounts,
+        "pid_file": str(stem.with_name(stem.name + ".pid")),
+        **run,
+    }
 
 
 def run_container_once(sim: Any, pod: Pod, run: int, started: str) -> int:
@@ -223,7 +298,7 @@ def run_container_once(sim: Any, pod: Pod, run: int, started: str) -> int:
     spec = sim._spec(pod, run)
     spec_path = Path(spec["pid_file"]).with_suffix(".json")
     spec_path.write_text(json.dumps(spec))
-    proc, log = start_container(pod, spec_path, sim.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log")
+    proc, log, pod.pid1 = start_container(spec_path, sim.workdir / "logs" / f"{pod.name}.{pod.generation}.{run}.log")
     pod.phase, pod.ready = "Running", True  # no readiness probe: Ready once started
     sim._publish()
     sim._event(pod.name, started)
@@ -269,46 +344,39 @@ class Simulation:
         self.config_maps = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d["kind"] == "ConfigMap"}
         self.workdir, self.venv, self.backoff_base_s = workdir, venv, backoff_base_s
         self.types = replica_types(self.job)
-        self.pods = {n: Pod(n, t, i, NS_PREFIX + n, k) for k, (t, i, n) in enumerate(pod_names(self.job))}
+        self.net = Network(OPERATOR_SUBNET)
+        self.pods = {n: Pod(n, t, i, self.net.ns_prefix + n, k) for k, (t, i, n) in enumerate(pod_names(self.job))}
         self.events: list[tuple[float, str, str]] = []
         self._lock = threading.RLock()
         self._next_ip = 10
-        self._made_dirs: list[Path] = []
-        self.image: list[dict] = []  # the image's bind mounts, made on __enter__
+        self.image: list[dict] = []  # the image's layers, made on __enter__
         self.condition = "Created"
         self._stopped = threading.Event()
 
     # --------------------------------------------------------------------- network
     def __enter__(self) -> Simulation:
-        teardown(quiet=True)  # a previous run killed hard may have left its namespaces
-        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        make_bridge()
+        sweep_orphans()  # what a simulation killed hard left behind
+        (self.workdir / "logs" / "init").mkdir(parents=True, exist_ok=True)
+        make_bridge(self.net)
         for pod in self.pods.values():
-            make_pod_network(pod)
+            make_pod_network(pod, self.net, self.workdir / "net")
         for pod in self.pods.values():
             self._assign_ip(pod)
-        self.image = image_mounts(self.venv, image_bin(self.venv, self.workdir / "image" / "bin"))
-        containers = [c for rs in self.types.values() for c in rs["template"]["spec"]["containers"]]
-        self._made_dirs = make_mount_targets(containers)
+        self.image = image_layers(self.venv, image_bin(self.venv, self.workdir / "image" / "bin"))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stopped.set()
         for pod in self.pods.values():
             pod.stop.set()
-        teardown(quiet=True)
+        teardown(self.net)
         for pod in self.pods.values():
             if pod.thread:
                 pod.thread.join(timeout=10)
-        for d in self._made_dirs:
-            try:
-                d.rmdir()
-            except OSError:
-                pass
 
     def _assign_ip(self, pod: Pod) -> None:
         """A new pod gets a new IP (a restarted container keeps its pod's)."""
-        set_pod_ip(pod, f"{PREFIX}.{self._next_ip}")
+        set_pod_ip(pod, f"{self.net.subnet}.{self._next_ip}")
         self._next_ip += 1
         self._publish()
 
@@ -320,8 +388,7 @@ class Simulation:
             for pod in self.pods.values():
                 lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}"]
                 lines += [f"{p.ip} {p.name} {p.name}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}" for p in ready if p is not pod]
-                if not write_hosts(pod, lines):
-                    return
+                write_hosts(pod, lines)
 
     def _event(self, pod: str, what: str) -> None:
         with self._lock:
@@ -335,32 +402,32 @@ class Simulation:
     def _spec(self, pod: Pod, run: int) -> dict:
         tmpl, c = self._container(pod)
         pod_dir = self.workdir / "pods" / f"{pod.name}.{pod.generation}"
-        mounts = self.image + volume_mounts(pod.name, c, tmpl, self.config_maps, self.workdir, pod_dir)
+        mounts = volume_mounts(pod.name, c, tmpl, self.config_maps, self.workdir, pod_dir)
         env = {**IMAGE_ENV, "HOSTNAME": pod.name}
         for e in c.get("env") or []:  # the user's env first ...
             if "value" not in e and "valueFrom" in e:
                 raise ValueError(f"{pod.name}: env {e['name']} uses valueFrom, not simulated")
             env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), e.get("value", ""))
         env.update(operator_env(self.job, pod.rtype, pod.index))  # ... then the operator's, which win
-        return {
-            "hostname": pod.name,
-            "command": [*(c.get("command") or []), *(c.get("args") or [])],
-            "env": env,
-            "cwd": c.get("workingDir", "/"),
-            "mounts": mounts,
-            "pid_file": str(self.workdir / "pods" / f"{pod.name}.{pod.generation}.{run}.pid"),
-        }
+        command = [*(c.get("command") or []), *(c.get("args") or [])]
+        return container_spec(
+            pod, str(run), self.workdir, self.image, mounts, command=command, env=env, cwd=c.get("workingDir", "/")
+        )
 
     def _wait_for_master(self, pod: Pod) -> bool:
-        """The init-pytorch init container: nslookup <job>-master-0 up to 100 times, 2 s apart."""
+        """The init-pytorch init container: nslookup <job>-master-0 up to 100 times, 2 s apart (here
+        ``getent hosts``, in a container of the pod: its network, its hosts file)."""
         master = f"{self.job['metadata']['name']}-master-0"
-        for _ in range(100):
-            if (
-                subprocess.run(
-                    ["ip", "netns", "exec", pod.netns, "getent", "hosts", master], capture_output=True
-                ).returncode
-                == 0
-            ):
+        spec = container_spec(
+            pod, "init", self.workdir, self.image, [], command=["getent", "hosts", master], env={"PATH": IMAGE_PATH}
+        )
+        spec_path = Path(spec["pid_file"]).with_suffix(".json")
+        spec_path.write_text(json.dumps(spec))
+        for attempt in range(100):
+            proc, log, _ = start_container(spec_path, self.workdir / "logs" / "init" / f"{pod.name}.{attempt}.log")
+            rc = proc.wait()
+            log.close()
+            if rc == 0:
                 return True
             if pod.stop.wait(2):
                 return False
@@ -489,14 +556,15 @@ class Simulation:
 
 
 # ----------------------------------------------------------------------------- kubelet and CNI parts
-def make_bridge(net: Network = OPERATOR_NET) -> None:
+def make_bridge(net: Network) -> None:
     _ip("link", "add", net.bridge, "type", "bridge")
     _ip("link", "set", net.bridge, "up")  # no address: the host cannot reach the pods' /24
 
 
-def make_pod_network(pod: Pod, net: Network = OPERATOR_NET) -> None:
-    """The pod's network namespace on the bridge, with its own (empty) hosts and resolv.conf files."""
-    ns, host_end, pod_end = pod.netns, f"{net.veth_prefix}v{pod.veth}", f"{net.veth_prefix}p{pod.veth}"
+def make_pod_network(pod: Pod, net: Network, files: Path) -> None:
+    """The pod's network namespace on the bridge, and its (empty) hosts and resolv.conf files under
+    ``files``: bind-mounted into each of its containers by tests/k8s_pod.py."""
+    ns, host_end, pod_end = pod.netns, net.veth(pod.veth, "v"), net.veth(pod.veth, "p")
     _ip("netns", "add", ns)
     _ip("link", "add", host_end, "type", "veth", "peer", "name", pod_end)
     _ip("link", "set", host_end, "master", net.bridge, "up")
@@ -504,9 +572,11 @@ def make_pod_network(pod: Pod, net: Network = OPERATOR_NET) -> None:
     _ip("-n", ns, "link", "set", pod_end, "name", "eth0")
     _ip("-n", ns, "link", "set", "eth0", "up")
     _ip("-n", ns, "link", "set", "lo", "up")
-    Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
-    Path(f"/etc/netns/{ns}/resolv.conf").write_text("")  # no DNS server: lookups stay local
-    Path(f"/etc/netns/{ns}/hosts").write_text("")
+    pod_files = files / pod.name
+    pod_files.mkdir(parents=True, exist_ok=True)
+    (pod_files / "resolv.conf").write_text("")  # no DNS server: lookups stay local
+    pod.hosts = pod_files / "hosts"
+    pod.hosts.write_text("")
 
 
 def set_pod_ip(pod: Pod, ip: str) -> None:
@@ -515,27 +585,13 @@ def set_pod_ip(pod: Pod, ip: str) -> None:
     _ip("-n", pod.netns, "addr", "add", f"{ip}/24", "dev", "eth0")
 
 
-def write_hosts(pod: Pod, lines: list[str]) -> bool:
-    """Rewrite the pod's /etc/hosts in place (it is bind-mounted into its running containers); False
-    once the namespace is torn down (a kubelet thread may still be finishing)."""
-    try:
-        with open(f"/etc/netns/{pod.netns}/hosts", "r+") as f:
-            f.truncate(0)
-            f.write("\n".join(lines) + "\n")
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def make_mount_targets(containers: list[dict]) -> list[Path]:
-    """Bind-mount targets must exist on the host's filesystem: create the missing ones (to remove later)."""
-    targets = {m["mountPath"] for c in containers for m in c.get("volumeMounts") or []}
-    made = []
-    for mount in sorted(targets | {IMAGE_SRC, IMAGE_VENV}):
-        if not Path(mount).exists():
-            Path(mount).mkdir(parents=True)
-            made.append(Path(mount))
-    return made
+def write_hosts(pod: Pod, lines: list[str]) -> None:
+    """Rewrite the pod's hosts file in place: its running containers have this very file (inode) mounted."""
+    if pod.hosts is None:
+        raise RuntimeError(f"pod {pod.name} has no network yet")
+    with open(pod.hosts, "r+") as f:
+        f.truncate(0)
+        f.write("\n".join(lines) + "\n")
 
 
 def volume_mounts(
@@ -575,12 +631,12 @@ def volume_mounts(
     return mounts
 
 
-def start_container(pod: Pod, spec_path: Path, log_path: Path) -> tuple[subprocess.Popen, IO[str]]:
-    """Start one container run (tests/k8s_pod.py in the pod's netns); returns once its PID 1 is known
-    (``pod.pid1``) or it has already exited. The caller closes the log after the process exits."""
+def start_container(spec_path: Path, log_path: Path) -> tuple[subprocess.Popen, IO[str], int | None]:
+    """Start one container run (tests/k8s_pod.py); returns once its PID 1 is known (the third value; None
+    when it has already exited). The caller closes the log after the process exits."""
     log = open(log_path, "w")  # noqa: SIM115 (closed when the pod's process exits)
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", pod.netns, sys.executable, str(POD_SHIM), str(spec_path)],
+        [sys.executable, str(POD_SHIM), str(spec_path)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={"PATH": IMAGE_PATH},
@@ -589,34 +645,61 @@ def start_container(pod: Pod, spec_path: Path, log_path: Path) -> tuple[subproce
     pid_file = spec_path.with_suffix(".pid")  # the shim creates it first and writes the PID after the fork
     while proc.poll() is None and not (pid_file.exists() and pid_file.read_text()):
         time.sleep(0.01)
-    pod.pid1 = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text() else None
-    return proc, log
+    if pid_file.exists() and pid_file.read_text():
+        return proc, log, int(pid_file.read_text())
+    return proc, log, None
 
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def teardown(quiet: bool = False, net: Network = OPERATOR_NET) -> None:
-    """Remove every namespace of ``net`` (killing what runs there), their hosts files, veths and the bridge."""
-    for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n"):
-        ns = ns.split(" ")[0]
+def teardown(net: Network) -> None:
+    """Remove ``net``'s namespaces (killing what runs there), veths and bridge; nothing of another network."""
+    for ns in _netns_names():
         if not ns.startswith(net.ns_prefix):
             continue
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:  # only processes we started live in our namespaces
+        for pid in pids:  # only processes a simulation started live in its namespaces
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except ProcessLookupError:
                 pass
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-    subprocess.run(["ip", "link", "del", net.bridge], capture_output=True)
-    for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines():
-        name = line.split(": ")[1].split("@")[0] if ": " in line else ""
-        if re.fullmatch(rf"{net.veth_prefix}v\d+", name):
+    host_end = re.compile(rf"s{net.tag}v\d+")  # a pair whose namespace is gone goes with it; this is a stray end
+    for name in [*_link_names(), net.bridge]:
+        if name == net.bridge or host_end.fullmatch(name):
             subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+
+ORPHAN_NS, ORPHAN_BRIDGE = re.compile(r"sim-(\d+)x(\d+)-"), re.compile(r"sb(\d+)x(\d+)")
+
+
+def sweep_orphans() -> None:
+    """Tear down the networks whose owning process is gone: a simulation killed before its clean-up. A
+    network of a live process is never touched, whichever simulation or test file it belongs to."""
+    owners = {(int(m[1]), int(m[2])) for ns in _netns_names() if (m := ORPHAN_NS.match(ns))}
+    owners |= {(int(m[1]), int(m[2])) for name in _link_names() if (m := ORPHAN_BRIDGE.fullmatch(name))}
+    for owner, serial in sorted(owners):
+        if not _alive(owner):
+            teardown(Network("", owner, serial))
+
+
+def _alive(pid: int) -> bool:
     try:
-        Path("/etc/netns").rmdir()
-    except OSError:
-        pass
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _netns_names() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split(" ")[0] for line in out.splitlines() if line]
+
+
+def _link_names() -> list[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [line.split(": ")[1].split("@")[0] for line in out.splitlines() if ": " in line]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import k8s_sim as ks
 
-NET = ks.Network("tjbr0", "tj-", "tj", "10.233.0")
+SUBNET = "10.233.0"  # the first three octets of the TrainJob pods' addresses
 TRAINER_JOB = "node"  # the replicated job and the container the torch plugin fills
 MASTER_PORT = 29500
 JOB_BACKOFF_DEFAULT = 6  # a Job's backoffLimit when unset
@@ -157,13 +157,13 @@ class TrainJobSimulation:
         self.pod_spec = self.job_spec["template"]["spec"]
         self.container = merged_container(self.job, self.runtime)
         names = hostnames(self.job, self.runtime)
-        self.pods = {n: ks.Pod(n, TRAINER_JOB, i, NET.ns_prefix + n, i) for i, n in enumerate(names)}
+        self.net = ks.Network(SUBNET)
+        self.pods = {n: ks.Pod(n, TRAINER_JOB, i, self.net.ns_prefix + n, i) for i, n in enumerate(names)}
         self.events: list[tuple[float, str, str]] = []
         self.condition = SUSPENDED if self.job["spec"].get("suspend") else "Created"
         self.restart_attempt = 0  # JobSet's jobset.sigs.k8s.io/restart-attempt
         self.failures = 0  # the Job's failed pods, against backoffLimit
         self.image: list[dict] = []
-        self._made_dirs: list[Path] = []
         self._next_ip = 10
         self._lock = threading.RLock()  # hosts files and events (the kubelet threads take it)
         self._control = threading.Lock()  # the controller's pass against the test's suspend/resume
@@ -171,28 +171,22 @@ class TrainJobSimulation:
 
     # --------------------------------------------------------------------- network
     def __enter__(self) -> TrainJobSimulation:
-        ks.teardown(quiet=True, net=NET)  # a previous run killed hard may have left its namespaces
+        ks.sweep_orphans()  # what a simulation killed hard left behind
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        ks.make_bridge(NET)
+        ks.make_bridge(self.net)
         for pod in self.pods.values():
-            ks.make_pod_network(pod, NET)
-        self.image = ks.image_mounts(self.venv, ks.image_bin(self.venv, self.workdir / "image" / "bin"))
-        self._made_dirs = ks.make_mount_targets([self.container])
+            ks.make_pod_network(pod, self.net, self.workdir / "net")
+        self.image = ks.image_layers(self.venv, ks.image_bin(self.venv, self.workdir / "image" / "bin"))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stopped.set()
         for pod in self.pods.values():
             pod.stop.set()
-        ks.teardown(quiet=True, net=NET)
+        ks.teardown(self.net)
         for pod in self.pods.values():
             if pod.thread:
                 pod.thread.join(timeout=10)
-        for d in self._made_dirs:
-            try:
-                d.rmdir()
-            except OSError:  # in use by the other simulation, or not empty
-                pass
 
     def _publish(self) -> None:
         """Every pod's /etc/hosts: its own names (kubelet) plus the headless Service's records of the pods
@@ -204,8 +198,7 @@ class TrainJobSimulation:
             for pod in self.pods.values():
                 lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}.{fqdn} {pod.name}.{sub} {pod.name}"]
                 lines += [f"{p.ip} {p.name}.{sub} {p.name}.{fqdn}" for p in ready if p is not pod]
-                if not ks.write_hosts(pod, lines):
-                    return
+                ks.write_hosts(pod, lines)
 
     def _event(self, pod: str, what: str) -> None:
         with self._lock:
@@ -214,17 +207,17 @@ class TrainJobSimulation:
     # --------------------------------------------------------------------- kubelet
     def _spec(self, pod: ks.Pod, run: int) -> dict:
         pod_dir = self.workdir / "pods" / f"{pod.name}.{pod.generation}"
-        mounts = self.image + ks.volume_mounts(
-            pod.name, self.container, self.pod_spec, self.config_maps, self.workdir, pod_dir
+        mounts = ks.volume_mounts(pod.name, self.container, self.pod_spec, self.config_maps, self.workdir, pod_dir)
+        return ks.container_spec(
+            pod,
+            str(run),
+            self.workdir,
+            self.image,
+            mounts,
+            command=[*(self.container.get("command") or []), *(self.container.get("args") or [])],
+            env=container_env(self.job, self.runtime, pod.index),
+            cwd=self.container.get("workingDir", "/"),
         )
-        return {
-            "hostname": pod.name,
-            "command": [*(self.container.get("command") or []), *(self.container.get("args") or [])],
-            "env": container_env(self.job, self.runtime, pod.index),
-            "cwd": self.container.get("workingDir", "/"),
-            "mounts": mounts,
-            "pid_file": str(self.workdir / "pods" / f"{pod.name}.{pod.generation}.{run}.pid"),
-        }
 
     def _run_once(self, pod: ks.Pod, run: int) -> int:
         return ks.run_container_once(self, pod, run, f"started ip={pod.ip} generation={pod.generation} run={run}")
@@ -250,7 +243,7 @@ class TrainJobSimulation:
         """A new pod for this completion index: a new IP, fresh emptyDirs."""
         if pod.thread is not None:  # generation 0 is the first pod of the index
             pod.generation += 1
-        ks.set_pod_ip(pod, f"{NET.subnet}.{self._next_ip}")
+        ks.set_pod_ip(pod, f"{self.net.subnet}.{self._next_ip}")
         self._next_ip += 1
         pod.phase, pod.reason, pod.restarts, pod.deleting, pod.ready = "Pending", "", 0, False, False
         pod.stop = threading.Event()

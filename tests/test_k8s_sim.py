@@ -46,7 +46,6 @@ def _requirements() -> Iterator[None]:
         "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv",
     )
     yield
-    ks.teardown()  # also after a test that was interrupted before its own clean-up
 
 
 def _wait_for(what: str, cond: Callable[[], bool], timeout: float = TIMEOUT) -> float:
@@ -187,7 +186,7 @@ def test_two_pods_train_to_completion(tmp_path: Path, monkeypatch: pytest.Monkey
         assert imported.stdout.strip() == f"{ks.IMAGE_SRC}/job/__init__.py", imported
         uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
         assert uts.stdout.strip() == "ddp-smoke-worker-0"
-        hosts = Path(f"/etc/netns/{worker.netns}/hosts").read_text()
+        hosts = Path(f"/proc/{worker.pid1}/root/etc/hosts").read_text()  # as the pod sees it
         assert f"{worker.ip} ddp-smoke-worker-0" in hosts and f"{master.ip} ddp-smoke-master-0" in hosts
         assert sim.wait(TIMEOUT) == "Succeeded"
     log_m, log_w = sim.log(master.name), sim.log(worker.name)

@@ -47,7 +47,6 @@ def _requirements() -> Iterator[None]:
         require(shutil.which(tool) is not None, f"{tool} not found (scripts/test.sh installs the Debian packages)")
     require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(), "the simulated image runs .venv/bin/ddp-job")
     yield
-    ks.teardown(net=ts.NET)
 
 
 def _render(overlay: str) -> list[dict]:
@@ -146,7 +145,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with ts.TrainJobSimulation(_render("cpu-smoke"), workdir) as sim:
         sim.start()
         envs = _capture_envs(sim)
-        hosts = Path(f"/etc/netns/{sim.pods[NODE1].netns}/hosts").read_text()
+        hosts = Path(f"/proc/{sim.pods[NODE1].pid1}/root/etc/hosts").read_text()  # as the pod sees it
         condition = sim.wait(TIMEOUT)
     (workdir / "envs.json").write_text(json.dumps(envs, indent=1, sort_keys=True) + "\n")
     return {"sim": sim, "envs": envs, "hosts": hosts, "condition": condition, "run_dir": _run_dir(sim)}
