@@ -1,4 +1,4 @@
-"""job.launchers.env: every launcher's environment -> DistEnv, and every bad environment -> BadInput naming it.
+"""job.cluster.env: every launcher's environment -> DistEnv, and every bad environment -> BadInput naming it.
 
 The Slurm and PyTorchJob environments below are not invented: the Slurm ones were recorded on a real
 Slurm 22.05 cluster (tests/infra/slurm-cluster.sh, 2 nodes n1 n2, `sbatch --nodes=2 --ntasks-per-node=2`
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from job.errors import BadInput
-from job.launchers.env import (
+from job.cluster.env import (
     DETECTION_ORDER,
     LAUNCHER_VAR_PREFIXES,
     SLURM_PORT_BASE,
@@ -33,6 +32,7 @@ from job.launchers.env import (
     parse_slurm_tasks_per_node,
     slurm_master_port,
 )
+from job.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -518,7 +518,7 @@ def test_detect_env_reads_only_the_mapping() -> None:
 WORKER = textwrap.dedent(
     """
     import os
-    from job.launchers.env import detect_env
+    from job.cluster.env import detect_env
     print("DETECTED", repr(detect_env(os.environ)), flush=True)
     """
 )
