@@ -24,6 +24,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Submit ddp-job training to Slurm with submitit. Unknown --section.field arguments "
         "(or everything after --) are ddp-job train overrides.",
     )
+    _resources(p)
+    _run_directory(p)
+    _preemption(p)
+    p.add_argument(
+        "--cluster",
+        default=None,
+        choices=["slurm", "local", "debug"],
+        help="submitit backend (default: slurm when available)",
+    )
+    p.add_argument("--wait", action="store_true", help="wait for the job(s); exit 0 only if all succeeded")
+    return p
+
+
+def _resources(p: argparse.ArgumentParser) -> None:
+    """What the job asks Slurm for."""
     a = p.add_argument
     a("--nodes", type=int, default=1, help="nodes (default 1)")
     a("--gpus-per-node", type=int, default=8, help="GPUs per node; one task (rank) per GPU; 0 = CPU (default 8)")
@@ -35,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--account", default=None)
     a("--qos", default=None)
     a("--job-name", default="ddp-job")
+
+
+def _run_directory(p: argparse.ArgumentParser) -> None:
+    """Where submitit and the runs write, and the runs of a sweep."""
+    a = p.add_argument
     a(
         "--log-folder",
         type=Path,
@@ -60,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECTION.FIELD=V1,V2",
         help="one array task per value (repeat for a grid)",
     )
+
+
+def _preemption(p: argparse.ArgumentParser) -> None:
+    """Time limits and preemption: the signal, the grace period to save, the requeues."""
+    a = p.add_argument
     a("--max-requeues", type=int, default=3, help="how often a timed-out job is resubmitted (default 3)")
     a(
         "--signal-delay",
@@ -73,14 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds training has to save after the signal before submitit requeues anyway (default signal-delay - 30)",
     )
-    a(
-        "--cluster",
-        default=None,
-        choices=["slurm", "local", "debug"],
-        help="submitit backend (default: slurm when available)",
-    )
-    a("--wait", action="store_true", help="wait for the job(s); exit 0 only if all succeeded")
-    return p
 
 
 def _executor(args: argparse.Namespace) -> submitit.AutoExecutor:
