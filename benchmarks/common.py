@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from job.launchers.env import LAUNCHER_VAR_PREFIXES
+from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

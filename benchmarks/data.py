@@ -27,7 +27,7 @@ def loader_rate(path: Path, workers: int, batch: int, size: int, batches: int, s
     import torch
 
     from job.config import DataConfig
-    from job.data.loaders import build_loaders
+    from job.data.source import build_loaders
 
     cfg = DataConfig(source=source, path=path, num_classes=10, image_size=size, num_workers=workers)  # type: ignore[arg-type]
     loaders = build_loaders(cfg, 0, 1, batch, 0, torch.device("cpu"))

@@ -21,7 +21,8 @@ def decode_rate(path: Path, decode: str, workers: int, batch: int, crop: int, ba
     import torch
 
     from job.config import DataConfig
-    from job.data.loaders import build_loaders, to_device
+    from job.data.loaders import to_device
+    from job.data.source import build_loaders
 
     cfg = DataConfig(
         source="imagefolder", path=path, num_classes=10, image_size=crop, num_workers=workers, decode=decode

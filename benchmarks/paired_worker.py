@@ -27,9 +27,9 @@ import torch
 
 from benchmarks import ablate_train
 from benchmarks.bare_ddp import BareLoop
+from job.cluster.env import detect_env
 from job.config import JobConfig, load_config
 from job.config.plan import Plan
-from job.launchers.env import detect_env
 from job.observe import metrics
 from job.parallel import distributed
 from job.train import loop

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 
-from job.errors import EXIT_BAD_INPUT, TRACEBACK_ENV, JobError, exit_code_of
+from job.errors import EXIT_BAD_INPUT, TRACEBACK_ENV, run_command
 
 USAGE = f"""usage: ddp-job COMMAND [ARGS]
 
@@ -57,6 +56,13 @@ def _train(argv: list[str]) -> int:
     return train_main(argv)  # entrypoint() leaves with os._exit: no slow teardown after a preemption save
 
 
+def _doctor(argv: list[str]) -> int:
+    from job.doctor.phases import main as doctor_main
+    from job.train.run import preflight_probes
+
+    return doctor_main(argv, preflight_probes())
+
+
 def _config(argv: list[str]) -> int:
     if not argv or argv[0] != "show":
         print("usage: ddp-job config show [--config PATH] [--section.field VALUE ...]", file=sys.stderr)
@@ -82,8 +88,8 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "config": _config,
     "launch": _lazy("job.launchers.torchrun", "launch_main"),
     "make-data": _lazy("job.data.datagen", "make_data_main"),
-    "submit": _lazy("job.launchers.submit", "main"),
-    "doctor": _lazy("job.doctor.run", "main"),
+    "submit": _lazy("job.launchers.submit.command", "main"),
+    "doctor": _doctor,
     "bench": _lazy("benchmarks", "main"),
 }
 
@@ -99,25 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"ddp-job: unknown command {command!r}.\n\n{USAGE}", file=sys.stderr, end="")
         return EXIT_BAD_INPUT
-    try:
-        return COMMANDS[command](rest)
-    except SystemExit as e:  # argparse/CliApp --help and usage errors
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_BAD_INPUT)
-        return code
-    except Exception as e:
-        _report(command, e, show_tb)
-        return exit_code_of(e)
-
-
-def _report(command: str, err: Exception, show_tb: bool) -> None:
-    """Our errors that say all there is to say (bad input) as one message; anything else with its traceback."""
-    if isinstance(err, JobError) and not err.show_traceback:
-        if show_tb:
-            traceback.print_exc()
-        print(f"ddp-job {command}: error: {err}", file=sys.stderr, flush=True)
-        return
-    logging.getLogger("job").error("failed: %s", err)
-    traceback.print_exc()
+    return run_command(command, COMMANDS[command], rest, show_tb)
 
 
 def entrypoint() -> None:

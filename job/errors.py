@@ -20,7 +20,11 @@ users see; code that needs a part reads the attribute, never the text. ``job.cli
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 EXIT_OK = 0
@@ -190,3 +194,31 @@ def exit_code_of(err: BaseException) -> int:
     if is_collective_timeout(err):
         return EXIT_TIMEOUT
     return EXIT_FAILURE
+
+
+def run_command(command: str, func: Callable[[list[str]], int], argv: list[str], show_tb: bool | None = None) -> int:
+    """Run the command ``func(argv)`` and return its exit code: an error it raises is printed (ours that say
+    all there is to say as one message, anything else with its traceback) and mapped by ``exit_code_of``.
+    ``show_tb`` None: from a ``--traceback`` argument (taken out of ``argv``) or TRACEBACK_ENV=1."""
+    if show_tb is None:
+        show_tb = "--traceback" in argv or os.environ.get(TRACEBACK_ENV) == "1"
+        argv = [a for a in argv if a != "--traceback"]
+    try:
+        return func(argv)
+    except SystemExit as e:  # argparse/CliApp --help and usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_BAD_INPUT)
+        return code
+    except Exception as e:
+        _report(command, e, show_tb)
+        return exit_code_of(e)
+
+
+def _report(command: str, err: Exception, show_tb: bool) -> None:
+    """Our errors that say all there is to say (bad input) as one message; anything else with its traceback."""
+    if isinstance(err, JobError) and not err.show_traceback:
+        if show_tb:
+            traceback.print_exc()
+        print(f"ddp-job {command}: error: {err}", file=sys.stderr, flush=True)
+        return
+    logging.getLogger("job").error("failed: %s", err)
+    traceback.print_exc()

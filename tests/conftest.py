@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from job.launchers.env import LAUNCHER_VAR_PREFIXES
+from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI") == "true"

@@ -19,7 +19,8 @@ import torchvision
 from torch import nn
 
 from job.config import load_config
-from job.data.loaders import build_loaders, to_device
+from job.data.loaders import to_device
+from job.data.source import build_loaders
 from job.parallel import ddp as parallel
 from job.parallel.distributed import Runtime
 from job.train.model import build_model

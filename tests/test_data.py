@@ -19,15 +19,9 @@ from job.checkpoint.resume import map_data_position
 from job.config import DataConfig
 from job.data import datagen
 from job.data.datagen import make_data_main, make_dataset
-from job.data.loaders import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    ResumableSampler,
-    build_loaders,
-    shard_range,
-    to_device,
-    validate_data,
-)
+from job.data.loaders import IMAGENET_MEAN, IMAGENET_STD, to_device
+from job.data.sampler import ResumableSampler, shard_range
+from job.data.source import build_loaders, validate_data
 from job.errors import BadInput
 
 CPU = torch.device("cpu")
@@ -455,7 +449,7 @@ EXIT_SCRIPT = """
 import sys, torch
 from pathlib import Path
 from job.config import DataConfig
-from job.data.loaders import build_loaders
+from job.data.source import build_loaders
 from job.errors import BadInput
 cfg = DataConfig(path=Path(sys.argv[1]), num_classes=2, image_size=16, num_workers=2)
 LOADERS = build_loaders(cfg, 0, 1, 2, 0, torch.device("cpu"))  # still referenced at exit
@@ -492,7 +486,7 @@ LONG_TMPDIR_SCRIPT = """
 import sys, tempfile, torch
 from pathlib import Path
 from job.config import DataConfig
-from job.data.loaders import build_loaders
+from job.data.source import build_loaders
 cfg = DataConfig(path=Path(sys.argv[1]), num_classes=2, image_size=16, num_workers=2, loader_timeout_s=60)
 loaders = build_loaders(cfg, 0, 1, 2, 0, torch.device("cpu"))
 train = sum(images.shape[0] for images, _ in loaders.train)

@@ -21,7 +21,9 @@ from job.config import DataConfig
 from job.data import device_decode
 from job.data.augment import eval_transform, train_transform
 from job.data.device_decode import EncodedFiles, choose_decode, decode_batch
-from job.data.loaders import ImageFiles, build_loaders, to_device, validate_data
+from job.data.images import ImageFiles
+from job.data.loaders import to_device
+from job.data.source import build_loaders, validate_data
 from job.errors import EXIT_BAD_INPUT, BadInput
 
 CPU = torch.device("cpu")

@@ -299,8 +299,8 @@ def test_mismatched_configs_across_ranks(failures: dict) -> None:
 
 def test_rank0_store_port_already_taken() -> None:
     """Outside torchrun rank 0 opens the store itself: a port another process listens on is a FAIL there."""
+    from job.cluster.env import DistEnv
     from job.doctor.checks import check_rendezvous
-    from job.launchers.env import DistEnv
 
     with socket.socket() as taken:
         taken.bind(("", 0))

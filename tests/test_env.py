@@ -1,4 +1,4 @@
-"""job.launchers.env: every launcher's environment -> DistEnv, and every bad environment -> BadInput naming it.
+"""job.cluster.env: every launcher's environment -> DistEnv, and every bad environment -> BadInput naming it.
 
 The Slurm and PyTorchJob environments below are not invented: the Slurm ones were recorded on a real
 Slurm 22.05 cluster (tests/infra/slurm-cluster.sh, 2 nodes n1 n2, `sbatch --nodes=2 --ntasks-per-node=2`
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from job.errors import BadInput
-from job.launchers.env import (
+from job.cluster.env import (
     DETECTION_ORDER,
     LAUNCHER_VAR_PREFIXES,
     SLURM_PORT_BASE,
@@ -33,6 +32,7 @@ from job.launchers.env import (
     parse_slurm_tasks_per_node,
     slurm_master_port,
 )
+from job.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -518,7 +518,7 @@ def test_detect_env_reads_only_the_mapping() -> None:
 WORKER = textwrap.dedent(
     """
     import os
-    from job.launchers.env import detect_env
+    from job.cluster.env import detect_env
     print("DETECTED", repr(detect_env(os.environ)), flush=True)
     """
 )
@@ -558,3 +558,134 @@ def test_real_torchrun_workers(tmp_path: Path) -> None:
         ) == (rank, rank, 2, 2, 0, 1, "torchrun")
         assert 0 < got.master_port < 65536 and got.master_addr
     assert envs[0].master_port == envs[1].master_port
+
+
+# --- node lists written with spaces, and a node rank alone ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("alpha beta gamma", ["alpha", "beta", "gamma"]),
+        ("host5 ,host6", ["host5", "host6"]),
+        ("a\tb", ["a", "b"]),
+        ("n[1, 3] x", ["n1", "n3", "x"]),
+    ],
+)
+def test_a_node_list_splits_on_tab_comma_and_space_as_slurm_does(nodelist: str, hosts: list[str]) -> None:
+    """Slurm's hostlist parser separates names by tab, comma and space (outside brackets)."""
+    assert expand_slurm_nodelist(nodelist) == hosts
+
+
+def test_the_master_of_a_node_list_with_spaces_is_its_first_name() -> None:
+    env = detect_env({**slurm_step(0, 0, 0, "n1"), "SLURM_STEP_NODELIST": "alpha beta", "SLURM_JOB_NODELIST": "x"})
+    assert env.master_addr == "alpha"
+
+
+@pytest.mark.parametrize("name", ["NODE_RANK", "GROUP_RANK"])
+def test_a_node_rank_alone_is_refused(name: str) -> None:
+    """One node of several, started without the rest of the contract, would train alone as rank 0."""
+    with pytest.raises(BadInput) as info:
+        detect_env({name: "1"})
+    assert info.value.setting == name and info.value.value == "1" and info.value.fix, info.value
+    assert detect_env({name: "0"}).launcher == "single"
+
+
+# --- cases of peers' own test suites -------------------------------------------------------------------
+
+# submitit, submitit/slurm/test_slurm.py: test_slurm_node_list and test_slurm_node_list_online_documentation
+# (SlurmJobEnvironment.hostnames of SLURM_JOB_NODELIST).
+SUBMITIT_NODE_LISTS = [
+    ("compute-b24", ["compute-b24"]),
+    ("compute-a1,compute-b2", ["compute-a1", "compute-b2"]),
+    ("compute-b2[1,2]", ["compute-b21", "compute-b22"]),
+    ("compute-b2[011,022]", ["compute-b2011", "compute-b2022"]),
+    ("compute-b2[1-3]", ["compute-b21", "compute-b22", "compute-b23"]),
+    ("compute-b2[1-3,5,6,8]", [f"compute-b2{i}" for i in (1, 2, 3, 5, 6, 8)]),
+    ("compute-b2[1-3,5-6,8]", [f"compute-b2{i}" for i in (1, 2, 3, 5, 6, 8)]),
+    ("compute-b2[1-3,5-6,8],compute-a1", [*(f"compute-b2{i}" for i in (1, 2, 3, 5, 6, 8)), "compute-a1"]),
+    ("compute[042,044]", ["compute042", "compute044"]),
+    ("compute[042-043,045,048-049]", ["compute042", "compute043", "compute045", "compute048", "compute049"]),
+    (
+        "compute-b24-[1-3,5-9],compute-b25-[1,4,8]",
+        [*(f"compute-b24-{i}" for i in (1, 2, 3, 5, 6, 7, 8, 9)), *(f"compute-b25-{i}" for i in (1, 4, 8))],
+    ),
+]
+
+
+@pytest.mark.parametrize(("nodelist", "hosts"), SUBMITIT_NODE_LISTS)
+def test_submitit_node_lists(nodelist: str, hosts: list[str]) -> None:
+    assert expand_slurm_nodelist(nodelist) == hosts
+
+
+# submitit, submitit/slurm/test_slurm.py: test_slurm_invalid_parse (SlurmParseException there).
+@pytest.mark.parametrize("bad", ["compute-b2[1-,4]", "compute-b2[1,2,compute-b3]"])
+def test_submitit_invalid_node_lists(bad: str) -> None:
+    with pytest.raises(ValueError):
+        expand_slurm_nodelist(bad)
+
+
+def test_submitit_missing_node_list_is_refused_here() -> None:
+    """submitit, submitit/slurm/test_slurm.py: test_slurm_missing_node_list gives ``[hostname]`` for an empty
+    SLURM_JOB_NODELIST. We differ on purpose: an srun step without a node list names no rendezvous host,
+    and guessing this host is wrong on every other node."""
+    with pytest.raises(ValueError):
+        expand_slurm_nodelist("")
+
+
+# Lightning, tests/tests_fabric/plugins/environments/test_slurm.py: test_main_address_from_slurm_node_list
+# (SLURMEnvironment.main_address of SLURM_NODELIST: the first host).
+LIGHTNING_MAIN_ADDRESSES = [
+    ("127.0.0.1", "127.0.0.1"),
+    ("alpha", "alpha"),
+    ("alpha,beta,gamma", "alpha"),
+    ("alpha beta gamma", "alpha"),
+    ("1.2.3.[100-110]", "1.2.3.100"),
+    ("1.2.3.[089, 100-110]", "1.2.3.089"),
+    ("host[22]", "host22"),
+    ("host[1,5-9]", "host1"),
+    ("host[5-9,1]", "host5"),
+    ("alpha, host[5-9], gamma", "alpha"),
+    ("alpha[3,1], beta", "alpha3"),
+]
+
+
+@pytest.mark.parametrize(("nodelist", "master"), LIGHTNING_MAIN_ADDRESSES)
+def test_lightning_main_addresses(nodelist: str, master: str) -> None:
+    assert expand_slurm_nodelist(nodelist)[0] == master
+    step = {k: v for k, v in slurm_step(0, 0, 0, "n1").items() if "NODELIST" not in k}
+    assert detect_env({**step, "SLURM_NODELIST": nodelist}).master_addr == master
+
+
+# Lightning, tests/tests_fabric/plugins/environments/test_slurm.py: test_attributes_from_environment_variables.
+LIGHTNING_ENV = {
+    "SLURM_NODELIST": "1.1.1.1, 1.1.1.2",
+    "SLURM_JOB_ID": "0001234",
+    "SLURM_NTASKS": "20",
+    "SLURM_NTASKS_PER_NODE": "10",
+    "SLURM_LOCALID": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_NODEID": "3",
+    "SLURM_JOB_NAME": "JOB",
+}
+
+
+def test_lightning_environment_is_a_batch_script_here() -> None:
+    """Lightning reads it as rank 1 of 20 (local rank 2, node 3, main 1.1.1.1:16234). It has no SLURM_STEP_ID:
+    to us that is the batch script, not an srun task, so a plain python there is one process (the rule that
+    keeps it from waiting for ranks that never start); as an srun task, node 3 of a 2-node list is refused."""
+    assert detect_env(LIGHTNING_ENV) == D(0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "single")
+    with pytest.raises(BadInput, match="SLURM_NODEID=3"):
+        detect_env({**LIGHTNING_ENV, "SLURM_STEP_ID": "0"})
+    fixed = {**LIGHTNING_ENV, "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "10(x2)"}
+    env = detect_env(fixed)
+    assert (env.rank, env.local_rank, env.world_size, env.master_addr) == (1, 2, 20, "1.1.1.1")
+    assert env.master_port == slurm_master_port("0001234")  # our formula, not Lightning's 15000 + id
+
+
+# Lightning, same file: test_detect. SLURM_NTASKS=2 alone is a Slurm environment to Lightning; to us, without
+# an srun step, one process.
+def test_lightning_detect_cases() -> None:
+    assert detect_env({}).launcher == "single"
+    assert detect_env({"SLURM_NTASKS": "2"}).launcher == "single"
+    assert detect_env({"SLURM_JOB_NAME": "bash"}).launcher == "single"

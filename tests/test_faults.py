@@ -30,7 +30,7 @@ import pytest
 import torch
 from conftest import ROOT, base_env, bin_path, make_data, require
 
-from job.launchers.env import LAUNCHER_VAR_PREFIXES
+from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
 STEPS = 14  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
 

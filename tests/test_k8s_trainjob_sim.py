@@ -30,7 +30,7 @@ import pytest
 import yaml
 from conftest import require
 
-from job.launchers.env import detect_env
+from job.cluster.env import detect_env
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 420  # per run; a loaded 2-core machine is 5-10x slower than an idle one

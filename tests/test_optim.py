@@ -19,7 +19,8 @@ from torch import nn
 
 from job.config import load_config
 from job.config.plan import make_plan
-from job.data.loaders import build_loaders, to_device
+from job.data.loaders import to_device
+from job.data.source import build_loaders
 from job.errors import BadInput
 from job.train.optim import build_optimizer, build_scheduler
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 from test_faults import STEPS, Job, assert_bitwise_equal, final_state, jobs, train_args  # noqa: F401  (jobs: fixture)
 
+from job.cluster.env import LAUNCHER_VAR_PREFIXES
 from job.config import DataConfig
 from job.data.datagen import make_dataset
-from job.data.loaders import build_loaders
 from job.data.shard_format import write_shard
+from job.data.source import build_loaders
 from job.errors import BadInput, BadShard
-from job.launchers.env import LAUNCHER_VAR_PREFIXES
 
 CPU = torch.device("cpu")
 
@@ -325,13 +325,14 @@ def test_bad_input_exits_2_naming_setting_and_shard(tmp_path, shards, monkeypatc
 
 def test_the_doctor_checks_the_shards(tmp_path, shards):
     from job.config.load import load_config
+    from job.data.source import describe_data
     from job.doctor.checks import check_data
 
     args = ["--data.source", "webdataset", "--data.num-classes", "4"]
-    good = check_data(load_config([*args, "--data.path", str(shards)], {}))
+    good = check_data(load_config([*args, "--data.path", str(shards)], {}), describe_data)
     assert good.status == "PASS" and "64 train samples in 4 shard(s)" in good.detail, good
     data = tmp_path / "data"
     shutil.copytree(shards, data)
     _garbage(tmp_path, data)
-    bad = check_data(load_config([*args, "--data.path", str(data)], {}))
+    bad = check_data(load_config([*args, "--data.path", str(data)], {}), describe_data)
     assert bad.status == "FAIL" and f"shard {data}/val-000000.tar" in bad.detail and "re-create" in bad.fix, bad

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import make_data, rank_pids, require, tfevents_writer
 
-from job.launchers.env import LAUNCHER_VAR_PREFIXES
+from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 

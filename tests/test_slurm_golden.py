@@ -15,7 +15,7 @@ from pathlib import Path
 
 from conftest import dev_tool
 
-from job.launchers.env import slurm_master_port
+from job.cluster.env import slurm_master_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -25,7 +25,7 @@ STUB_SRUN = r"""#!/bin/bash
 printf '%s\n' "srun $*" >>"$STUB_LOG"
 if [ -n "${STUB_SIGNAL:-}" ]; then          # a preemption signal to the batch shell mid-step
   kill -s "$STUB_SIGNAL" "$PPID"; sleep 0.5
-  # a stop request (job/launchers/stop.py): the file exists and is empty, not marked honoured
+  # a stop request (job/cluster/stop.py): the file exists and is empty, not marked honoured
   [ -e "$STUB_STOP" ] && [ ! -s "$STUB_STOP" ] && echo "STOP requested during the step" >>"$STUB_LOG"
 fi
 exit "${STUB_SRUN_RC:-0}"

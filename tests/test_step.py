@@ -16,10 +16,10 @@ import torch.distributed as dist
 from conftest import TINY_SYNTHETIC
 from torch import nn
 
+from job.cluster.env import detect_env
 from job.config import load_config
 from job.config.plan import make_plan
 from job.errors import NonFiniteError
-from job.launchers.env import detect_env
 from job.parallel import distributed
 from job.train import debug
 from job.train.parts import Parts, build_parts

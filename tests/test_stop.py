@@ -1,4 +1,4 @@
-"""The stop protocol (job.launchers.stop): the STOP file's states, and what a real training run does with each.
+"""The stop protocol (job.cluster.stop): the STOP file's states, and what a real training run does with each.
 
 A request made before the trainer started is kept and honoured after the first step; the honoured mark
 makes the next start discard it and train on; nothing re-touches the file.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from conftest import TINY_SYNTHETIC
 
+from job.cluster import stop
 from job.errors import EXIT_OK, EXIT_PREEMPTED
-from job.launchers import stop
 
 TINY = [
     *TINY_SYNTHETIC,

@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from job.errors import BadInput
-from job.launchers.submit import (
-    build_parser,
-    node_address,
+from job.launchers.submit.args import (
     parse_sweep,
     run_argv,
     run_dir_choice,
@@ -19,6 +17,8 @@ from job.launchers.submit import (
     sweep_runs,
     trainer_stop_signals,
 )
+from job.launchers.submit.command import build_parser
+from job.launchers.submit.task import node_address
 
 
 def test_parse_sweep() -> None:

@@ -13,11 +13,11 @@ import torch
 from conftest import EXAMPLE, ROOT
 from PIL import Image
 
+from job.cluster.env import LAUNCHER_VAR_PREFIXES
 from job.config import DataConfig, ModelConfig, load_config
 from job.data import usersource
-from job.data.loaders import build_loaders
+from job.data.source import build_loaders
 from job.errors import BadInput, UserCodeError, WeightsError
-from job.launchers.env import LAUNCHER_VAR_PREFIXES
 from job.train import weights
 from job.train.model import build_model, check_model
 from job.usercode import is_import_path, resolve

@@ -25,7 +25,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from job.launchers.stop import SIGNAL_NAMES, STOP_SIGNALS
+from job.cluster.stop import SIGNAL_NAMES, STOP_SIGNALS
 from job.usercode import is_import_path
 
 _SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)

@@ -64,7 +64,7 @@ class DevicePrefetcher:
 def wrap_loaders(loaders: Any, device: torch.device, enabled: bool, channels_last: bool) -> Any:
     """``loaders`` with the training loader prefetching to ``device`` (unchanged on CPU, when disabled, or
     when the source already lives on the device)."""
-    from job.data.loaders import TensorBatches
+    from job.data.synthetic import TensorBatches
 
     if not enabled or device.type != "cuda" or isinstance(loaders.train, TensorBatches):
         return loaders  # the synthetic source keeps its images on the device already

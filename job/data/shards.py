@@ -44,7 +44,7 @@ from torchvision.transforms import v2
 from job.config import DataConfig
 from job.data import shard_format
 from job.data.augment import eval_transform, train_transform
-from job.data.loaders import IMG_EXTENSIONS, ImageFiles, pil_to_tensor
+from job.data.images import IMG_EXTENSIONS, ImageFiles, pil_to_tensor
 from job.errors import BadInput, BadShard
 
 PROBE_SAMPLES = 8  # samples of each split's first shard decoded before the process group
@@ -67,7 +67,7 @@ class ShardList:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """What `validate_shards` found (the WebDataset counterpart of job.data.loaders.DataLayout)."""
+    """What `validate_shards` found (the WebDataset counterpart of job.data.imagefolder.DataLayout)."""
 
     classes: tuple[str, ...]
     train: ShardList

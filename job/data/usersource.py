@@ -1,5 +1,5 @@
 """``data.source: package.module:callable``: a user's map-style dataset under the job's own sampler, sharding,
-seeded per-sample augmentation and exact validation (job.data.loaders), so exact resume holds for it too.
+seeded per-sample augmentation and exact validation (job.data.images, job.data.loaders), so exact resume holds for it too.
 
 The contract (docs/user-code.md): ``callable(split="train"|"val", path=data.path, **data.options)`` returns a
 map-style dataset (``__len__`` and ``__getitem__``) whose items are ``(image, label)``: ``image`` a PIL image or a
@@ -24,7 +24,7 @@ from torchvision.transforms import v2
 from job import usercode
 from job.config import DataConfig
 from job.data.augment import eval_transform, train_transform
-from job.data.loaders import Datasets, ImageFiles
+from job.data.images import Datasets, ImageFiles
 from job.errors import UserCodeError
 
 SPLITS = ("train", "val")

@@ -18,8 +18,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from job.cluster.stop import ignore_stop_signals
 from job.errors import BadInput, JobError
-from job.train.preempt import ignore_stop_signals
 
 _WORKERS: weakref.WeakSet[multiprocessing.process.BaseProcess] = weakref.WeakSet()
 _INIT_ERROR: list[JobError] = []  # in a worker: why init_worker failed (sent with its first batch)
@@ -40,7 +40,7 @@ class WorkerTrackingLoader(DataLoader):
 def kill_workers() -> None:
     """SIGKILL the DataLoader workers still alive: at interpreter exit (atexit) and before job.cli's ``os._exit``.
 
-    The workers ignore SIGTERM (job.train.preempt.ignore_stop_signals). multiprocessing's own exit hook
+    The workers ignore SIGTERM (job.cluster.stop.ignore_stop_signals). multiprocessing's own exit hook
     terminates daemonic children with SIGTERM and then joins them, so a loader or iterator still
     referenced at exit (a traceback after a worker error, pytest's excinfo, a global) would hang the
     process forever: the workers outlive SIGTERM and their parent is alive (observed). Workers only
@@ -128,7 +128,7 @@ def init_worker(worker_id: int) -> None:
     try:
         use_short_socket_tempdir()
     except JobError as err:
-        # Raised here, torch would rebuild it in the trainer from its traceback text; job.data.loaders.collate
+        # Raised here, torch would rebuild it in the trainer from its traceback text; job.data.images.collate
         # sends it, whole, in place of this worker's first batch instead.
         _INIT_ERROR.append(err)
 

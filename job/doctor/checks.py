@@ -1,6 +1,6 @@
 """The doctor's checks that need no process group: each returns a ``Check`` (PASS/WARN/FAIL + a one-line fix).
 
-Kept apart from the orchestration in ``job.doctor.run`` so each check is a plain function of the config, the
+Kept apart from the orchestration in ``job.doctor.phases`` so each check is a plain function of the config, the
 detected environment and a few measured facts (sizes, versions), testable one by one.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from job.config import JobConfig
+from job.cluster.env import DistEnv
+from job.config import DataConfig, JobConfig, ModelConfig
 from job.errors import BadInput
-from job.launchers.env import DistEnv
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
@@ -262,19 +262,17 @@ def check_shm(need: int, path: str = "/dev/shm") -> Check:
     return Check("shm", PASS, text, data=data)
 
 
-def checkpoint_bytes(cfg: JobConfig) -> int:
+def checkpoint_bytes(cfg: JobConfig, build_model: Callable[[ModelConfig, int], Any]) -> int:
     """Estimated size of one checkpoint: fp32 weights + buffers + optimizer state (SGD momentum 1x, AdamW 2x).
-    The model is built on the meta device: shapes only, no memory, a few ms."""
+    ``build_model`` builds on the meta device: shapes only, no memory, a few ms."""
     import torch
-
-    from job.train.model import build_model
 
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.data.num_classes)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     states = 2 if cfg.optim.name == "adamw" else (1 if cfg.optim.momentum > 0 else 0)
-    return params * (1 + states) + buffers + 2**20  # + trainer state, RNGs, manifest
+    return int(params * (1 + states) + buffers + 2**20)  # + trainer state, RNGs, manifest
 
 
 def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) -> list[Check]:
@@ -313,29 +311,10 @@ def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) 
     return checks
 
 
-def check_data(cfg: JobConfig) -> Check:
-    """Path, class folders and count (job.data.loaders.validate_data), and one file actually readable."""
-    from job.data.loaders import DataLayout, validate_data
-
+def check_data(cfg: JobConfig, describe_data: Callable[[DataConfig], str]) -> Check:
+    """The data as ``describe_data`` reads it (the data package's own validation, one file actually read)."""
     try:
-        layout = validate_data(cfg.data)
+        text = describe_data(cfg.data)
     except BadInput as e:
         return Check("storage.data", FAIL, e.what, e.fix or "fix data.path / data.num_classes")
-    if layout is None:  # synthetic, or a source its own module checks (a user dataset: train's preflight)
-        return Check("storage.data", PASS, f"data.source={cfg.data.source}: no ImageFolder tree to read")
-    if not isinstance(layout, DataLayout):  # WebDataset shards: validate_data decoded the first samples already
-        return Check("storage.data", PASS, f"{layout.describe()}; first samples readable")
-    path = layout.train[0][0]
-    try:
-        with open(path, "rb") as f:
-            f.read(64)
-    except OSError as e:
-        return Check(
-            "storage.data", FAIL, f"{path}: not readable ({e.strerror})", "check the data mount and its permissions"
-        )
-    return Check(
-        "storage.data",
-        PASS,
-        f"data.path={cfg.data.path}: {len(layout.classes)} classes = data.num_classes, "
-        f"{len(layout.train)} train / {len(layout.val)} val files, first file readable",
-    )
+    return Check("storage.data", PASS, text)

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.errors import CollectiveTimeout, JobError, is_collective_timeout
-from job.launchers.env import DistEnv
 from job.observe.metrics import memory_mb
 
 log = logging.getLogger("job")

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from job.cluster.env import DistEnv
 from job.config import DistConfig
 from job.errors import BadInput
-from job.launchers.env import DistEnv
 
 
 @dataclass(frozen=True)

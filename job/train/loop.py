@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from job.checkpoint.checkpointer import Checkpointer
+from job.cluster.env import DistEnv
 from job.config import JobConfig, config_to_dict
 from job.config.plan import Plan
 from job.errors import EXIT_OK, EXIT_PREEMPTED
-from job.launchers.env import DistEnv
 from job.observe.metrics import NullWriter, TrainLog, hparams
 from job.parallel import ddp, distributed
 from job.train.evaluate import Evaluator

@@ -13,11 +13,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.config.plan import Plan
-from job.data.loaders import Loaders, build_loaders
+from job.data.loaders import Loaders
 from job.data.prefetch import wrap_loaders
-from job.launchers.env import DistEnv
+from job.data.source import build_loaders
 from job.parallel import ddp, distributed
 from job.train.ema import Ema, build_ema
 from job.train.model import build_model

@@ -9,10 +9,10 @@ to stop, both read as each step starts:
   sent to the agent only (Slurm ``--signal=B:...``) reaches every worker too;
 * the stop file ``<run_dir>/STOP``, for launchers that can only run a shell command (slurm/train.sbatch
   traps USR1/USR2 and writes it; works with plain torchrun and across nodes on a shared filesystem). Its
-  protocol (who creates and removes it, and when) is ``job.launchers.stop``.
+  protocol (who creates and removes it, and when) is ``job.cluster.stop``.
 
 The agent delivers signals with killpg to each rank's process group, which holds the rank's DataLoader
-workers: they ignore the stop signals (``ignore_stop_signals``), otherwise their death makes the
+workers: they ignore the stop signals (``job.cluster.stop.ignore_stop_signals``), otherwise their death makes the
 DataLoader raise in the trainer before it can save.
 
 Then all ranks agree with an all-reduce (MAX) that runs during the step (``job.parallel.distributed.StepFlagVote``),
@@ -32,9 +32,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
+from job.cluster import stop
 from job.errors import EXIT_PREEMPTED
-from job.launchers import stop
-from job.launchers.stop import STOP_SIGNALS
 
 log = logging.getLogger("job")
 
@@ -101,15 +100,3 @@ class StopRequest:
         if self.signal_name:
             return f"signal {self.signal_name}, received during {self.received_during}"
         return f"stop file {self.stop_file}"
-
-
-def ignore_stop_signals(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: worker processes ignore the stop signals; their trainer handles them.
-
-    torchrun's agent delivers a signal with ``killpg`` to each rank's process group, which includes the
-    rank's DataLoader workers. A worker killed by it makes the DataLoader raise ("worker ... is killed by
-    signal: Terminated") in the trainer before it reaches the step boundary and saves. Workers still
-    exit with their trainer (DataLoader's parent watchdog) and on SIGKILL.
-    """
-    for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)

@@ -24,13 +24,14 @@ from job.checkpoint import store as ckpt
 from job.checkpoint.checkpointer import Checkpointer
 from job.checkpoint.resume import agree_on_checkpoint, find_resume
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
+from job.cluster.env import DistEnv, detect_env
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
-from job.data.loaders import check_train_size, decode_choice, validate_data
+from job.data.imagefolder import decode_choice
+from job.data.source import check_train_size, describe_data, validate_data
 from job.data.usersource import check_user_data
-from job.doctor import run as doctor
+from job.doctor import phases as doctor
 from job.errors import EXIT_PREEMPTED, BadInput
-from job.launchers.env import DistEnv, detect_env
 from job.observe import metrics
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
@@ -38,7 +39,7 @@ from job.parallel import distributed
 from job.train import debug
 from job.train.evaluate import Evaluator
 from job.train.loop import Run, train_loop
-from job.train.model import check_model, validate_model
+from job.train.model import build_model, check_model, validate_model
 from job.train.parts import Parts, build_parts
 from job.train.preempt import StopRequest
 from job.train.step import TrainState
@@ -96,6 +97,11 @@ def check_start(cfg: JobConfig, env: DistEnv, resuming: bool) -> None:
     check_weights(cfg.model, model, cfg.data.num_classes, fetch=env.local_rank == 0)
 
 
+def preflight_probes() -> doctor.Probes:
+    """What the doctor checks of this job's model and data, handed to it (the doctor imports neither)."""
+    return doctor.Probes(build_model=build_model, describe_data=describe_data)
+
+
 def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     environ = os.environ if environ is None else environ
     # --- config ---
@@ -108,7 +114,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     check_start(cfg, env, resuming=found is not None)
     quick = None
     if cfg.doctor.enabled:  # the doctor's quick checks, around the process group created here
-        quick = doctor.quick_local(cfg, env, environ)
+        quick = doctor.quick_local(cfg, env, environ, preflight_probes())
     rt = distributed.setup(env, cfg.dist)
     try:
         if quick is not None:
@@ -178,7 +184,7 @@ def build_run(
 
 def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
     """torchrun --max-restarts restarts workers after ANY non-zero exit, 143 included: a restarted group that
-    finds the stop file must not train on while its node is being drained (job.launchers.stop)."""
+    finds the stop file must not train on while its node is being drained (job.cluster.stop)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if restarted and distributed.all_reduce_max_flag(stop.stop_file.exists(), rt):
         log.info(

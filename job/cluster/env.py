@@ -546,9 +546,9 @@ def _from_slurm(environ: Mapping[str, str]) -> DistEnv:
 
 
 def _from_single(environ: Mapping[str, str]) -> DistEnv:
-    # A half-set contract (say RANK=3 WORLD_SIZE=4 without LOCAL_RANK) is a launch mistake: training
-    # alone as rank 0 of 1 would silently produce a different run.
-    harmless = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    # A half-set contract (say RANK=3 WORLD_SIZE=4 without LOCAL_RANK, or a node rank of 1 alone) is a launch
+    # mistake: training alone as rank 0 of 1 would silently produce a different run.
+    harmless = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": "0", "NODE_RANK": "0"}
     partial = {n: environ[n] for n in harmless if n in environ and environ[n].strip() != harmless[n]}
     if partial:
         shown = " ".join(f"{k}={v}" for k, v in partial.items())
@@ -620,7 +620,17 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split on commas outside brackets."""
+    """Split on commas outside brackets, then each piece on tabs and spaces outside brackets, as Slurm's
+    hostlist parser separates names (``"a b"``, ``"a ,b"``); an empty name between two commas stays an
+    error."""
+    items = []
+    for piece in _split_outside_brackets(text, ","):
+        names = [n for n in _split_outside_brackets(piece, " \t") if n]
+        items.extend(names or [""])
+    return items
+
+
+def _split_outside_brackets(text: str, separators: str) -> list[str]:
     items, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         if ch == "[":
@@ -631,7 +641,7 @@ def _split_top_level(text: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise ValueError("unbalanced bracket")
-        elif ch == "," and depth == 0:
+        elif ch in separators and depth == 0:
             items.append(text[start:i])
             start = i + 1
     if depth:

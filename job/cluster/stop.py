@@ -28,6 +28,7 @@ at that step's boundary).
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 STOP_FILE = "STOP"
@@ -76,3 +77,15 @@ def discard_honoured(run_dir: Path) -> bool:
 def begin_attempt(run_dir: Path) -> None:
     """A launcher starting a new attempt of a job: no request of an earlier attempt may stop this one."""
     stop_file(run_dir).unlink(missing_ok=True)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: worker processes ignore the stop signals; their trainer handles them.
+
+    torchrun's agent delivers a signal with ``killpg`` to each rank's process group, which includes the
+    rank's DataLoader workers. A worker killed by it makes the DataLoader raise ("worker ... is killed by
+    signal: Terminated") in the trainer before it reaches the step boundary and saves. Workers still
+    exit with their trainer (DataLoader's parent watchdog) and on SIGKILL.
+    """
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
