@@ -84,7 +84,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "make-data": _lazy("job.data.datagen", "make_data_main"),
     "submit": _lazy("job.launchers.submit", "main"),
     "doctor": _lazy("job.doctor.run", "main"),
-    "bench": _lazy("benchmarks", "main"),
+    "bench": _lazy("job.bench", "main"),
 }
 
 

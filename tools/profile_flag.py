@@ -1,7 +1,7 @@
 """Latency of the trainer's per-step stop-flag agreement: a 1-element MAX all-reduce on a second gloo group
 (job.parallel.distributed.all_reduce_max_flag), when both ranks arrive together and after uneven compute.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/profile_flag.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/profile_flag.py
 """
 
 import statistics

@@ -3,7 +3,7 @@
 fresh gradients before each step (as after ``zero_grad(set_to_none=True)`` and a backward), 80 steps
 alternating between the two, median of the last 75.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.profile_param_groups
+    OMP_NUM_THREADS=1 python tools/profile_param_groups.py
 """
 
 import statistics

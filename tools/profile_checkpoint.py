@@ -1,7 +1,7 @@
 """Profile of one CheckpointManager save, async and sync (cProfile), and the cost of a fresh host snapshot
 vs copying into reused buffers: where the checkpoint stall goes (docs/benchmarks.md section 4).
 
-    python benchmarks/profile_checkpoint.py
+    python tools/profile_checkpoint.py
 """
 
 import cProfile

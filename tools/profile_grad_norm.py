@@ -5,7 +5,7 @@ non-finite guard: the per-tensor norms alone, per-tensor sums, AMP's fused non-f
 the gradients laid out flat (what DDP's buckets hold with gradient_as_bucket_view; reaching them needs DDP
 internals). Each case is timed twice, interleaved, because this machine's speed drifts.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.profile_grad_norm
+    OMP_NUM_THREADS=1 python tools/profile_grad_norm.py
 """
 
 import statistics

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import common
+from job.bench import common
 
 SOURCES = ("imagefolder", "webdataset")
 _FORMAT = {"imagefolder": "png", "webdataset": "webdataset"}
@@ -27,7 +27,7 @@ def make_sets(tmp: Path, size: int, per_class: int, timeout: float) -> dict[str,
 
 def compare(tmp: Path, size: int, per_class: int, batch: int, workers: list[int], reps: int, batches: int) -> dict:
     """Median [min-max] img/s of each source and worker count, and of the WebDataset / ImageFolder ratio."""
-    from benchmarks.data import loader_rate
+    from job.bench.data import loader_rate
 
     paths = make_sets(tmp, size, per_class, 600)
     rates: dict[str, dict[int, list[float]]] = {s: {w: [] for w in workers} for s in SOURCES}
