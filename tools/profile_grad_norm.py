@@ -8,23 +8,18 @@ internals). Each case is timed twice, interleaved, because this machine's speed 
     OMP_NUM_THREADS=1 python tools/profile_grad_norm.py
 """
 
+from __future__ import annotations
+
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torchvision
 
-torch.set_num_threads(1)
-model = torchvision.models.resnet18(num_classes=10)
-model(torch.randn(16, 3, 32, 32)).sum().backward()
-params = list(model.parameters())
-grads = [p.grad for p in params]
-flat = torch.cat([g.reshape(-1) for g in grads])
-buckets = list(flat.chunk(2))  # resnet18's gradients fill 2 buckets of <= 25 MiB
-found_inf, one = torch.zeros(1), torch.ones(1)
 
-
-def median_ms(f, n: int = 15) -> float:  # type: ignore[no-untyped-def]
+def median_ms(f: Callable[[], Any], n: int = 15) -> float:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -33,14 +28,32 @@ def median_ms(f, n: int = 15) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times) * 1000
 
 
-CASES = {
-    "clip_grad_norm_(inf)": lambda: torch.nn.utils.clip_grad_norm_(params, float("inf"), foreach=True),
-    "get_total_norm (the trainer)": lambda: torch.nn.utils.get_total_norm(grads, foreach=True),
-    "_foreach_norm only": lambda: torch._foreach_norm(grads),
-    "per-tensor sums": lambda: torch.stack([g.sum() for g in grads]).sum(),
-    "amp non-finite check": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one),
-    "norm of the flat buckets": lambda: torch.linalg.vector_norm(torch.stack([b.norm() for b in buckets])),
-}
-for round_ in (1, 2):
-    for name, f in CASES.items():
-        print(f"round {round_}  {name:30s} {median_ms(f):6.2f} ms")
+def cases() -> dict[str, Callable[[], Any]]:
+    """Each check over resnet18's gradients after one backward, by name."""
+    model = torchvision.models.resnet18(num_classes=10)
+    model(torch.randn(16, 3, 32, 32)).sum().backward()
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    buckets = list(flat.chunk(2))  # resnet18's gradients fill 2 buckets of <= 25 MiB
+    found_inf, one = torch.zeros(1), torch.ones(1)
+    return {
+        "clip_grad_norm_(inf)": lambda: torch.nn.utils.clip_grad_norm_(params, float("inf"), foreach=True),
+        "get_total_norm (the trainer)": lambda: torch.nn.utils.get_total_norm(grads, foreach=True),
+        "_foreach_norm only": lambda: torch._foreach_norm(grads),
+        "per-tensor sums": lambda: torch.stack([g.sum() for g in grads]).sum(),
+        "amp non-finite check": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one),
+        "norm of the flat buckets": lambda: torch.linalg.vector_norm(torch.stack([b.norm() for b in buckets])),
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    checks = cases()
+    for round_ in (1, 2):
+        for name, f in checks.items():
+            print(f"round {round_}  {name:30s} {median_ms(f):6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
