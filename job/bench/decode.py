@@ -1,7 +1,7 @@
 """Decode paths side by side (part of ``ddp-job bench data``): images/s delivered to the trainer as normalised
 float batches on the training device, decoding in the DataLoader workers (``data.decode=cpu``: PIL) vs on the
 device (``data.decode=device``: workers read bytes and draw crops, torchcodec decodes the batch on the device).
-Both through ``job.data.build_loaders`` and ``job.data.to_device``, the trainer's own path, with the same
+Both through the trainer's own loaders and host-to-device step (``build_loaders``, ``to_device``), with the same
 generated JPEGs (larger than the demo's, e.g. 320 px cropped to 224) and the same crops. On a CPU-only machine
 the "device" is the CPU: the main process decodes, so the ratio says how much the worker processes buy there;
 on a GPU node tools/gpu_run.sh runs the same comparison against the GPU's consumption.

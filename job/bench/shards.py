@@ -1,5 +1,5 @@
 """WebDataset shards beside the ImageFolder (part of ``ddp-job bench data``): images/s through the training loader
-(``job.data.build_loaders``: decode with PIL, random resized crop + flip, the trainer's sampler) on the same images,
+(the trainer's ``build_loaders``: decode with PIL, random resized crop + flip, the trainer's sampler) on the same images,
 ``make-data --format png`` files vs ``make-data --format webdataset`` shards of the same seed (the same PNG bytes),
 at each worker count, in interleaved repetitions (the order alternates).
 """
