@@ -90,7 +90,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "make-data": _lazy("job.data.datagen", "make_data_main"),
     "submit": _lazy("job.launchers.submit.command", "main"),
     "doctor": _doctor,
-    "bench": _lazy("benchmarks", "main"),
+    "bench": _lazy("job.bench", "main"),
 }
 
 

@@ -3,15 +3,16 @@ well-formed and consistent with theory or with its own table (exact counts, rati
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
 import subprocess
 import sys
-from pathlib import Path
+from types import ModuleType
 
 import pytest
-from conftest import base_env, require, run_cli
+from conftest import ROOT, base_env, require, run_cli
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,8 +38,6 @@ def test_unknown_benchmark_names_the_choices(tmp_path):
 
 
 def test_overhead_quick(tmp_path):
-    import importlib.util
-
     require(
         importlib.util.find_spec("lightning") is not None,
         "lightning is not installed: install the bench extra (scripts/setup.sh dev,bench)",
@@ -73,7 +72,7 @@ def test_paired_quick_runs_the_real_loop(tmp_path):
 
 
 def test_paired_ratio_is_totals_after_warmup_busiest_rank_cpu():
-    from benchmarks.paired import rep_result
+    from job.bench.paired import rep_result
 
     def block(jw, bw, jc, bc):
         return {"job_wall_s": jw, "bare_wall_s": bw, "job_cpu_s": jc, "bare_cpu_s": bc}
@@ -87,13 +86,22 @@ def test_paired_ratio_is_totals_after_warmup_busiest_rank_cpu():
     assert close(got["job_step_s"], 2.0) and close(got["bare_step_s"], 2.0)
 
 
-def test_profile_paired_attributes_each_rank_and_line():
-    from benchmarks.profile_paired import attribute
+def tool(name: str) -> ModuleType:
+    """A script of tools/ (run by hand, not part of the package), imported from its file."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    agent, w0, w1 = 'process 10:"torchrun"', 'process 11:"python -m benchmarks.paired_worker"', 'process 12:"python"'
-    loop = "main (benchmarks/paired_worker.py:82);alternate (benchmarks/paired_worker.py:53)"
-    job = f"{loop};alternate.<locals>.job_step (benchmarks/paired_worker.py:45)"
-    bare = f"{loop};BareLoop.step (benchmarks/bare_ddp.py:66)"
+
+def test_profile_paired_attributes_each_rank_and_line():
+    attribute = tool("profile_paired").attribute
+
+    agent, w0, w1 = 'process 10:"torchrun"', 'process 11:"python -m job.bench.paired_worker"', 'process 12:"python"'
+    loop = "main (job/bench/paired_worker.py:82);alternate (job/bench/paired_worker.py:53)"
+    job = f"{loop};alternate.<locals>.job_step (job/bench/paired_worker.py:45)"
+    bare = f"{loop};BareLoop.step (job/bench/bare_ddp.py:66)"
     raw = [
         f"{agent};{w0};{job};iteration (job/train/loop.py:62);train_step (job/train/step.py:85);"
         "get_total_norm (torch/nn/utils/clip_grad.py:95) 7",
@@ -188,7 +196,7 @@ def test_scaling_refuses_without_gpu(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1])["skipped"]
 
 
-GPU_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_run.sh"
+GPU_RUN = ROOT / "tools" / "gpu_run.sh"
 
 
 def test_gpu_run_refuses_without_cuda(tmp_path):

@@ -3,7 +3,7 @@
 The device path runs here with the CPU as its device: the same code as on a GPU but for torchcodec's
 decoder (libjpeg-turbo here, nvJPEG there). Stated tolerance: on the CPU both paths decode with
 libjpeg-turbo's default IDCT, so pixels must be identical (measured: max difference 0); nvJPEG rounds its
-IDCT differently, by a few levels on some pixels, which only the GPU run in benchmarks/gpu_run.sh sees.
+IDCT differently, by a few levels on some pixels, which only the GPU run in tools/gpu_run.sh sees.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The Slurm and PyTorchJob environments below are not invented: the Slurm ones were recorded on a real
 Slurm 22.05 cluster (tests/infra/slurm-cluster.sh, 2 nodes n1 n2, `sbatch --nodes=2 --ntasks-per-node=2`
 then `env` in the batch script and in srun steps); the PyTorchJob ones follow the operator's injection
-table in /work/shared/k8s/OPERATOR-BEHAVIOUR.md section 3 (variables in the order the operator appends
+table (Kubeflow Training Operator v1.9.4, pkg/controller.v1/pytorch/envvar.go on github.com/kubeflow/trainer: the order it appends
 them). The TrainJob ones (Kubeflow Trainer v2) are recorded from the pods of the Trainer v2 simulation
 (tests/data/k8s/trainjob-pod-env.json: the cpu-smoke TrainJob's two pods and a torchrun worker in one of
 them; tests/test_k8s_trainjob_sim.py checks that the simulated pods still carry exactly these). The

@@ -189,12 +189,12 @@ def test_help_and_labels(penv: dict[str, str], image: str) -> None:
 
 def test_image_holds_this_checkout_of_the_package(penv: dict[str, str], image: str) -> None:
     """Guards against a stale layer cache (buildah reuses RUN --mount=from=stage layers, containers/buildah#4522):
-    the installed job/*.py and benchmarks/*.py (`ddp-job bench` in the image) must be the working tree's."""
+    the installed job/*.py and job/bench/*.py (`ddp-job bench` in the image) must be the working tree's."""
     import hashlib
 
     code = (
-        "import hashlib, pathlib, job, benchmarks\n"
-        "for m in (job, benchmarks):\n"
+        "import hashlib, pathlib, job, job.bench\n"
+        "for m in (job, job.bench):\n"
         "    d = pathlib.Path(m.__file__).parent\n"
         "    for p in sorted(d.glob('*.py')): print(f'{d.name}/{p.name} {hashlib.sha256(p.read_bytes()).hexdigest()}')"
     )
@@ -203,7 +203,7 @@ def test_image_holds_this_checkout_of_the_package(penv: dict[str, str], image: s
     inside = dict(line.split() for line in p.stdout.splitlines())
     here = {
         f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
-        for pkg in ("job", "benchmarks")
+        for pkg in ("job", "job/bench")
         for f in sorted((ROOT / pkg).glob("*.py"))
     }
     assert inside == here, sorted(k for k in here.keys() | inside.keys() if here.get(k) != inside.get(k))

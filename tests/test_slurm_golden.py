@@ -3,7 +3,7 @@
 The script runs under bash with stub ``srun``/``scontrol``/``getent`` first in PATH (they record their
 argv) and a fake ``SLURM_*`` environment. Regenerate the golden file after an intended change with
 ``UPDATE_GOLDEN=1 pytest tests/test_slurm_golden.py`` and review the diff.
-Also runs shellcheck over every shell script of the Slurm, test-infra and scripts/ parts.
+Also runs shellcheck over every shell script of the Slurm, test-infra, scripts/ and tools/ parts.
 """
 
 from __future__ import annotations
@@ -180,6 +180,7 @@ def test_shellcheck_clean() -> None:
             *ROOT.glob("slurm/*.sbatch"),
             *ROOT.glob("tests/infra/*.sh"),
             *ROOT.glob("scripts/*.sh"),
+            *ROOT.glob("tools/*.sh"),
         }
     )
     assert SBATCH in scripts

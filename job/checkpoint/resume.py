@@ -86,7 +86,7 @@ def map_data_position(
     """This layout's ``micro_batches_in_epoch`` for a position saved with another world size / micro batch.
 
     A position is "samples consumed in the epoch" = micro-batches x saved world size x saved micro batch
-    (job.data.loaders: a row of W x m samples per micro-batch, the same global order for every W). It maps onto
+    (job.data.sampler: a row of W x m samples per micro-batch, the same global order for every W). It maps onto
     the new layout when that count is a whole number of new rows; saves happen at optimizer-step
     boundaries, so this holds whenever train.global_batch_size is unchanged.
 
@@ -115,7 +115,7 @@ def check_resumable(
     """Refuse a resume that would silently change the run; say what differs and which flag allows it.
 
     World-size changes: the data position is stored per optimizer step and each global batch holds the
-    same samples whatever the world size (see job.data.loaders), so a resume with another world size continues
+    same samples whatever the world size (see job.data.sampler), so a resume with another world size continues
     the same sample sequence as long as train.global_batch_size is unchanged. Per-rank RNG streams
     cannot be mapped and are re-seeded.
     """

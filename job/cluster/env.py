@@ -13,7 +13,7 @@ Variables verified against the real tools, not guessed:
   ``srun`` step have those. Inside a step SLURM_NTASKS/SLURM_NNODES/SLURM_TASKS_PER_NODE describe the
   step, while SLURM_JOB_NUM_NODES/SLURM_JOB_NODELIST describe the whole allocation (``srun -w n2 -n1``
   in a two-node job: SLURM_JOB_NODELIST=n[1-2], SLURM_STEP_NODELIST=n2), so the step variables win.
-* Kubeflow training operator v1.9: /work/shared/k8s/OPERATOR-BEHAVIOUR.md section 3 (RANK is the pod
+* Kubeflow Training Operator v1.9.4, pkg/controller.v1/pytorch/envvar.go on github.com/kubeflow/trainer (RANK is the pod
   index, WORLD_SIZE = pods x nprocPerNode, PET_* are torchrun's option defaults).
 * Kubeflow Trainer v2.3 TrainJob (torch plugin on JobSet): only PET_NNODES, PET_NPROC_PER_NODE,
   PET_NODE_RANK (the pod's Job completion index), PET_MASTER_ADDR=<job>-node-0-0.<job> and

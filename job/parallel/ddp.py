@@ -1,8 +1,9 @@
 """How the model and optimizer are spread over devices: the DDP/DataParallel wrapper with its knobs and
 gradient-communication hooks, ZeRO optimizer-state sharding, and the TF32 switch.
 
-train.py calls ``validate`` in preflight (bad input fails before any process group exists), ``wrap_model``
-after building the model, ``before_save`` on every rank before a checkpoint and ``comm_summary`` at the end.
+The trainer calls ``validate`` in preflight (job.train.run: bad input fails before any process group exists),
+``wrap_model`` after building the model (job.train.parts), ``before_save`` on every rank before a checkpoint (the
+optimizer's checkpoint state) and ``comm_summary`` at the end of the loop (job.train.loop).
 See docs/efficiency.md for what each option costs and buys.
 """
 

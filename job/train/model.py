@@ -1,5 +1,5 @@
 """Build the classifier: a torchvision model by name, or a user model by import path (``package.module:callable``,
-job.usercode). No devices, no DDP here: train.py wraps it. ``check_model`` is preflight's look at it before any
+job.usercode). No devices, no DDP here: job.train.parts wraps it. ``check_model`` is preflight's look at it before any
 process group: built on the meta device (shapes only), and for a user model one forward pass whose output must be
 ``B x num_classes`` logits."""
 

@@ -5,7 +5,6 @@
 #
 # Idempotent and cached: packages are installed only when missing, the config is rewritten (cheap),
 # the debootstrap rootfs and the imported base image are reused when they exist.
-# Adapted from /work/shared/recipes/podman-build.sh; facts from /work/shared/recipes/NOTES.md.
 #
 # Usage:  tests/infra/podman-setup.sh            then:  source "$PODMAN_STATE/env.sh"
 # Env knobs (defaults in brackets):

@@ -9,7 +9,7 @@
 #   tests/infra/slurm-cluster.sh stop      # cancel jobs, stop every daemon, remove all state
 #   tests/infra/slurm-cluster.sh env       # print the client environment (SLURM_CONF)
 #
-# Why it looks like this (facts measured on this machine kind, see shared/recipes/NOTES.md):
+# Why it looks like this (Debian 12's Slurm 22.05 packages on a machine without systemd):
 # - no systemd and the Debian package scripts start nothing: every daemon is started by hand,
 #   with its pid file, log and state under $DDP_SLURM_BASE (default /tmp/ddp-job-slurm), so
 #   `stop` can remove every trace;

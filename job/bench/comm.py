@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from job.bench import common
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,5 +1,5 @@
-"""``ddp-job train`` with one per-step extra switched off (ABLATE env var), for benchmarks/profile_overhead.py
-(and, through ``apply``, benchmarks/paired_worker.py).
+"""``ddp-job train`` with one per-step extra switched off (ABLATE env var), for tools/profile_overhead.py
+(and, through ``apply``, job/bench/paired_worker.py).
 
 ABLATE is a comma-separated subset of:
   stopflag   the per-step stop vote (job.parallel.distributed.StepFlagVote): this rank's flag, no all-reduce
@@ -31,11 +31,11 @@ def apply(ablate: str) -> None:
         distributed.StepFlagVote.start = lambda self, flag: setattr(self, "_local", flag)  # type: ignore[method-assign]
         distributed.StepFlagVote.agreed = lambda self: getattr(self, "_local", False)  # type: ignore[method-assign]
     if "clip" in off:
-        torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **kw: torch.zeros(())  # type: ignore[assignment]
-        torch.nn.utils.get_total_norm = lambda tensors, **kw: torch.zeros(())  # type: ignore[assignment]
+        torch.nn.utils.clip_grad_norm_ = lambda params, max_norm, **kw: torch.zeros(())
+        torch.nn.utils.get_total_norm = lambda tensors, **kw: torch.zeros(())
     if "observer" in off:
         observe.Observer.step_done = lambda self, step, timer: None  # type: ignore[method-assign]
-        observe.Observer._grads_ready = lambda self, p: None  # type: ignore[method-assign]
+        observe.Observer._grads_ready = lambda self, _param: None  # type: ignore[method-assign]
 
 
 def main() -> int:

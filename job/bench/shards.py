@@ -1,5 +1,5 @@
 """WebDataset shards beside the ImageFolder (part of ``ddp-job bench data``): images/s through the training loader
-(``job.data.build_loaders``: decode with PIL, random resized crop + flip, the trainer's sampler) on the same images,
+(the trainer's ``build_loaders``: decode with PIL, random resized crop + flip, the trainer's sampler) on the same images,
 ``make-data --format png`` files vs ``make-data --format webdataset`` shards of the same seed (the same PNG bytes),
 at each worker count, in interleaved repetitions (the order alternates).
 """
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import common
+from job.bench import common
+from job.bench.loader import loader_rate
 
 SOURCES = ("imagefolder", "webdataset")
 _FORMAT = {"imagefolder": "png", "webdataset": "webdataset"}
@@ -27,8 +28,6 @@ def make_sets(tmp: Path, size: int, per_class: int, timeout: float) -> dict[str,
 
 def compare(tmp: Path, size: int, per_class: int, batch: int, workers: list[int], reps: int, batches: int) -> dict:
     """Median [min-max] img/s of each source and worker count, and of the WebDataset / ImageFolder ratio."""
-    from benchmarks.data import loader_rate
-
     paths = make_sets(tmp, size, per_class, 600)
     rates: dict[str, dict[int, list[float]]] = {s: {w: [] for w in workers} for s in SOURCES}
     for rep in range(reps):

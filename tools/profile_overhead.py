@@ -1,7 +1,7 @@
 """Where ddp-job's per-step overhead over the bare DDP loop goes: the overhead benchmark's runs, plus ddp-job
-runs with one per-step extra switched off each (benchmarks/ablate_train.py), interleaved, same estimator.
+runs with one per-step extra switched off each (job/bench/ablate_train.py), interleaved, same estimator.
 
-    python -m benchmarks.profile_overhead [--nprocs 2] [--reps 3] [--steps 30]
+    python tools/profile_overhead.py [--nprocs 2] [--reps 3] [--steps 30]
 
 Prints, per variant, the median step time (window means of --log-every steps after --warmup) with its spread
 and its steps/s ratio to the bare loop of the same repetition; one JSON line last.
@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
-from benchmarks.overhead import HERE, job_cpu, job_times, parse, run_variant
+from job.bench import common
+from job.bench.overhead import HERE, job_cpu, job_times, parse, run_variant
 
 VARIANTS = ["job", "job -stopflag", "job -clip", "job -observer", "job -stopflag-clip-observer", "bare"]
 

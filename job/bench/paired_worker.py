@@ -1,13 +1,13 @@
-"""One torchrun worker of ``benchmarks/paired.py``: ddp-job's real loop and the bare DDP step, in alternating
+"""One torchrun worker of ``job/bench/paired.py``: ddp-job's real loop and the bare DDP step, in alternating
 blocks in the same process.
 
-    [ABLATE=clip,...] python -m benchmarks.paired_worker OUT PAIRS BLOCK [bare-bucket-view] [bare-first] -- ARGS
+    [ABLATE=clip,...] python -m job.bench.paired_worker OUT PAIRS BLOCK [bare-bucket-view] [bare-first] -- ARGS
 
 ARGS are ``ddp-job train`` arguments. ``bare-first`` builds the bare loop's model and optimizer before the trainer's
 (allocation order decides where each side's tensors lie in memory).
 
 The trainer's ``Run`` is built by ``job.train.run.build_run`` (as ``ddp-job train`` builds it) and advanced by
-``job.train.loop.iteration`` (what its loop runs). The bare step (``benchmarks.bare_ddp.BareLoop``) has its own
+``job.train.loop.iteration`` (what its loop runs). The bare step (``job.bench.bare_ddp.BareLoop``) has its own
 model, DDP wrapper and optimizer. Blocks are BLOCK steps long; the trainer logs and gathers its statistics at
 its own ``log.every`` cadence, counted in its own steps, as in a real run. Pairs alternate their order
 (job-bare, bare-job, ...) so neither kind always follows the other. Each block's wall seconds and this rank's CPU seconds (all its
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import ablate_train
-from benchmarks.bare_ddp import BareLoop
+from job.bench import ablate_train
+from job.bench.bare_ddp import BareLoop
 from job.cluster.env import detect_env
 from job.config import JobConfig, load_config
 from job.config.plan import Plan
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     own, train_args = argv[:split], argv[split + 1 :]
     out, pairs, block = own[0], int(own[1]), int(own[2])
     bare_view, bare_first = "bare-bucket-view" in own[3:], "bare-first" in own[3:]
-    ablate_train.apply(os.environ.get("ABLATE", ""))  # benchmarks/ablate_train.py: extras switched off
+    ablate_train.apply(os.environ.get("ABLATE", ""))  # job/bench/ablate_train.py: extras switched off
     cfg = load_config(train_args, os.environ)
     env = detect_env(os.environ)
     metrics.setup_console(env.rank, env.world_size)

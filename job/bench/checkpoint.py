@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from job.bench import common
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """Where every rank's step time goes: ``ddp-job train`` and the bare DDP loop under cProfile, one profile per
 rank, the same work as ``bench overhead``; per rank, milliseconds per step in each part of the loop.
 
-    python -m benchmarks.profile_steps [--nprocs 2] [--steps 40] [--model resnet18] [--image-size 32] [--batch 32]
+    python tools/profile_steps.py [--nprocs 2] [--steps 40] [--model resnet18] [--image-size 32] [--batch 32]
 
 The parts are functions of the trainer (``job/``) and of torch that both programs call (forward, backward,
 optimizer step). cProfile adds about a microsecond per Python call to both programs alike, so read the
@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
-from benchmarks.overhead import HERE
+from job.bench import common
+from job.bench.overhead import HERE
 
 # (label, file name ending, function name): the parts of one step, trainer first, then what both programs call.
 PARTS = [
@@ -39,7 +39,7 @@ PARTS = [
     ("both: DDP forward", "torch/nn/parallel/distributed.py", "forward"),
     ("both: backward", "torch/_tensor.py", "backward"),
     ("both: optimizer step", "torch/optim/optimizer.py", "wrapper"),
-    ("bare: the whole loop", "benchmarks/bare_ddp.py", "main"),
+    ("bare: the whole loop", "job/bench/bare_ddp.py", "main"),
 ]
 
 
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
         bare_args += ["--steps", str(a.steps), "--out", str(tmp / "bare.json")]
         env = common.child_env(tmp)
         for kind, args in (("job", [*job_args, "--log.every", "5"]), ("bare", bare_args)):
-            target = ["-m", "benchmarks.profile_steps", "--rank-profile", str(tmp), kind, *args]
+            target = [str(Path(__file__).resolve()), "--rank-profile", str(tmp), kind, *args]
             common.run(common.torchrun_cmd(a.nprocs, target), env, a.timeout)
         result = {
             f"{k}-rank{r}": per_step_ms(tmp / f"{k}-rank{r}.prof", a.steps) for k in ("job", "bare") for r in ranks

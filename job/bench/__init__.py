@@ -1,6 +1,6 @@
 """Benchmarks of ddp-job against references run in the same minutes (docs/benchmarks.md).
 
-``ddp-job bench NAME [--quick] [options]`` or ``python -m benchmarks.NAME``. Each prints a table and, as its
+``ddp-job bench NAME [--quick] [options]`` or ``python -m job.bench.NAME``. Each prints a table and, as its
 last line, one JSON object. Everything that is timed is a ratio of interleaved A/B runs (medians and spread):
 absolute times on the shared CPU machine drift 2-10x between minutes.
 """
@@ -36,4 +36,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             end="",
         )
         return 2
-    return int(importlib.import_module(f"benchmarks.{name}").main(rest))
+    return int(importlib.import_module(f"{__name__}.{name}").main(rest))

@@ -7,7 +7,7 @@ with and without job.data.prefetch's side-stream copy; then the wrapper overhead
 vs nn.DataParallel (bf16+channels_last, prefetch on). Every model is built and wrapped by the job's own
 modules (job.train.model, job.parallel.ddp.wrap_model, job.train.optim).
 
-    python benchmarks/gpu_efficiency.py --out $OUT/efficiency_gpu.json [--batch 256 --steps 30 --warmup 8 --budget-s 420]
+    python tools/gpu_efficiency.py --out $OUT/efficiency_gpu.json [--batch 256 --steps 30 --warmup 8 --budget-s 420]
 
 Writes JSON (one record per row, plus the device and versions) and prints a markdown table. A row that would
 start after --budget-s seconds is recorded as skipped, so the run always finishes inside its time box.

@@ -85,7 +85,7 @@ def main() -> None:
 
     # Exposed communication: the same forward+backward with the all-reduce (DDP) and without (no_sync).
     raw, model = build(a.model, device, a.bucket_mb)
-    t = {"sync": [], "no_sync": []}
+    t: dict[str, list[float]] = {"sync": [], "no_sync": []}
     for i in range(2 + a.timed * 2):
         kind = "sync" if i % 2 == 0 else "no_sync"
         ctx = contextlib.nullcontext() if kind == "sync" else model.no_sync()

@@ -14,7 +14,7 @@ from typing import Any
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the ``job`` package
 BIN = Path(sys.executable).parent
 
 

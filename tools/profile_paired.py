@@ -1,6 +1,6 @@
 """Where every rank's step time goes, sampled from outside: ``bench paired``'s workers under py-spy.
 
-    python -m benchmarks.profile_paired [--nprocs 2] [--pairs 120] [--rate 50] [--bare-bucket-view]
+    python tools/profile_paired.py [--nprocs 2] [--pairs 120] [--rate 50] [--bare-bucket-view]
 
 py-spy (the ``bench`` extra) samples the Python stacks of every torchrun worker (``--subprocesses``) without
 instrumenting them: unlike cProfile it does not slow each Python call, so the parts keep their real
@@ -19,11 +19,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks import common
+from job.bench import common
 
 SIDES = {"job": "alternate.<locals>.job_step", "bare": "BareLoop.step"}
-"""The function each side's step runs in (benchmarks/paired_worker.py)."""
-PART_FRAMES = ("iteration (job/train/loop.py", "train_step (job/train/step.py", "BareLoop.step (benchmarks/bare_ddp.py")
+"""The function each side's step runs in (job/bench/paired_worker.py)."""
+PART_FRAMES = ("iteration (job/train/loop.py", "train_step (job/train/step.py", "BareLoop.step (job/bench/bare_ddp.py")
 _PROCESS = re.compile(r"^process (\d+):")
 
 
@@ -64,9 +64,9 @@ def _part(frame: str) -> str:
 
 
 def source_line(part: str) -> str:
-    """The source text of ``file.py:N`` (job/train or benchmarks), for the table."""
+    """The source text of ``file.py:N`` (job/train or job/bench), for the table."""
     name, _, lineno = part.partition(":")
-    for base in (common.ROOT / "job" / "train", common.ROOT / "benchmarks"):
+    for base in (common.ROOT / "job" / "train", common.ROOT / "job" / "bench"):
         path = base / name
         if path.exists():
             return path.read_text().splitlines()[int(lineno) - 1].strip()[:70]
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
             run_dir, model="resnet18", image_size=32, batch=32, steps=a.pairs + 1, extra=["--log.every", "5"]
         )
         own = [str(tmp / "out.json"), str(a.pairs), "1", *(["bare-bucket-view"] if a.bare_bucket_view else [])]
-        target = common.torchrun_cmd(a.nprocs, ["-m", "benchmarks.paired_worker", *own, "--", *args])
+        target = common.torchrun_cmd(a.nprocs, ["-m", "job.bench.paired_worker", *own, "--", *args])
         raw = tmp / "spy.txt"
         cmd = [spy, "record", "--subprocesses", "-r", str(a.rate), "-f", "raw", "-o", str(raw), "--", *target]
         subprocess.run(cmd, env=common.child_env(tmp), cwd=common.ROOT, check=True, capture_output=True, timeout=1800)

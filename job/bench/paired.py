@@ -2,7 +2,7 @@
 
 ``bench overhead`` compares whole runs, launched one after the other; on a virtual CPU whose speed changes
 from minute to minute its spread (+-20-40 %) is far wider than the 1 % it should resolve. Here each torchrun
-worker (``benchmarks/paired_worker.py``) builds the trainer's real ``Run`` and a bare DDP step (own model, DDP
+worker (``job/bench/paired_worker.py``) builds the trainer's real ``Run`` and a bare DDP step (own model, DDP
 wrapper, optimizer) and alternates blocks of ``--block`` steps (job, bare, bare, job, ...): adjacent blocks run
 within a second or two, on the same cores, at the same machine speed. The trainer keeps its own cadences
 (``--log-every``: console line, TensorBoard scalars, observer gather). A repetition's ratio is the bare steps'
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from job.bench import common
 
 
 def rep_result(rank_files: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def one_rep(nproc: int, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str,
     out = tmp / f"{tag}.json"
     flags = [name for name, on in (("bare-bucket-view", a.bare_bucket_view), ("bare-first", a.bare_first)) if on]
     own = [str(out), str(a.pairs), str(a.block), *flags]
-    cmd = common.torchrun_cmd(nproc, ["-m", "benchmarks.paired_worker", *own, "--", *args])
+    cmd = common.torchrun_cmd(nproc, ["-m", "job.bench.paired_worker", *own, "--", *args])
     common.run(cmd, common.child_env(tmp, ABLATE=a.ablate), a.timeout)
     files = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{tag}.json.rank*"))]
     if len(files) != nproc:
@@ -81,7 +81,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bare-bucket-view", action="store_true", help="the bare DDP with gradient_as_bucket_view")
     p.add_argument("--bare-first", action="store_true", help="build the bare loop before the trainer's parts")
     p.add_argument("--job-arg", action="append", default=[], help="extra ddp-job train argument (repeatable)")
-    p.add_argument("--ablate", default="", help="trainer extras to switch off: benchmarks/ablate_train.py CHOICES")
+    p.add_argument("--ablate", default="", help="trainer extras to switch off: job/bench/ablate_train.py CHOICES")
     p.add_argument("--timeout", type=float, default=900)
     a = p.parse_args(argv)
     common.resolve_workload(a)

@@ -1,10 +1,10 @@
 """Decode paths side by side (part of ``ddp-job bench data``): images/s delivered to the trainer as normalised
 float batches on the training device, decoding in the DataLoader workers (``data.decode=cpu``: PIL) vs on the
 device (``data.decode=device``: workers read bytes and draw crops, torchcodec decodes the batch on the device).
-Both through ``job.data.build_loaders`` and ``job.data.to_device``, the trainer's own path, with the same
+Both through the trainer's own loaders and host-to-device step (``build_loaders``, ``to_device``), with the same
 generated JPEGs (larger than the demo's, e.g. 320 px cropped to 224) and the same crops. On a CPU-only machine
 the "device" is the CPU: the main process decodes, so the ratio says how much the worker processes buy there;
-on a GPU node benchmarks/gpu_run.sh runs the same comparison against the GPU's consumption.
+on a GPU node tools/gpu_run.sh runs the same comparison against the GPU's consumption.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from job.bench import common
 
 
 def decode_rate(path: Path, decode: str, workers: int, batch: int, crop: int, batches: int, device: Any) -> float:
@@ -26,7 +26,7 @@ def decode_rate(path: Path, decode: str, workers: int, batch: int, crop: int, ba
 
     cfg = DataConfig(
         source="imagefolder", path=path, num_classes=10, image_size=crop, num_workers=workers, decode=decode
-    )  # type: ignore[arg-type]
+    )
     loaders = build_loaders(cfg, 0, 1, batch, 0, device)
     it = iter(loaders.train)
     for _ in range(2):
@@ -77,12 +77,12 @@ def report(result: dict, size: int, crop: int, batch: int, workers: int, device:
     common.table(title, ["path", "median [min-max]"], rows)
 
 
-GPU_RUNS = ("synthetic", "cpu", "gpu")  # run names data-<name> in benchmarks/gpu_run.sh
+GPU_RUNS = ("synthetic", "cpu", "gpu")  # run names data-<name> in tools/gpu_run.sh
 GPU_GOAL = 0.95  # decoded-JPEG throughput / synthetic throughput with data.decode=gpu
 
 
 def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
-    """benchmarks/gpu_run.sh's data comparison: each path's trained img/s over the synthetic-data img/s."""
+    """tools/gpu_run.sh's data comparison: each path's trained img/s over the synthetic-data img/s."""
     import json
     import statistics
 
@@ -92,7 +92,7 @@ def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
             v for step, v, _ in common.scalars(runs / f"data-{name}", "perf/samples_per_s") if step > warmup_steps
         ]
         rate[name] = statistics.median(values)
-    out = {
+    out: dict[str, Any] = {
         "img_s": rate,
         "cpu_over_synthetic": rate["cpu"] / rate["synthetic"],
         "gpu_over_synthetic": rate["gpu"] / rate["synthetic"],

@@ -5,7 +5,7 @@ memory format and optimizer (SGD momentum 0.9, weight decay 1e-4, foreach) as ``
 else: no scheduler, clipping, logging, checkpoints or stop checks. Writes per-step times (rank 0) and every rank's
 per-step CPU seconds as JSON.
 Also the startup reference: prints the wall time of the first collective and of the first optimizer step.
-``BareLoop`` is the loop's step, which ``benchmarks/paired_worker.py`` alternates with the trainer's.
+``BareLoop`` is the loop's step, which ``job/bench/paired_worker.py`` alternates with the trainer's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 import torchvision  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from benchmarks.common import reference_args  # noqa: E402
+from job.bench.common import reference_args  # noqa: E402
 
 
 class BareLoop:

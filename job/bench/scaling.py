@@ -15,7 +15,7 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks import common
+from job.bench import common
 
 RESNET50_FWD_FLOPS = 4.09e9 * 2  # 4.09 GMACs per 224x224 image
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, no sparsity
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print(
             "bench scaling: needs a CUDA GPU and none is visible (torch.cuda.is_available() is False). This benchmark "
-            "measures ResNet-50 on a GPU only. Fix: run it on a GPU machine (benchmarks/gpu_run.sh).",
+            "measures ResNet-50 on a GPU only. Fix: run it on a GPU machine (tools/gpu_run.sh).",
             flush=True,
         )
         common.emit("scaling", {"quick": a.quick, "skipped": "no CUDA GPU visible", "results": []})

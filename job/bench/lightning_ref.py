@@ -1,4 +1,4 @@
-"""The Lightning reference (run under torchrun): the same work as benchmarks/bare_ddp.py through
+"""The Lightning reference (run under torchrun): the same work as job/bench/bare_ddp.py through
 ``lightning.Trainer`` (strategy ddp, no logger/checkpointing/progress bar). Per-step times are measured
 by a callback from batch start to batch end, written by rank 0 as JSON."""
 
@@ -13,7 +13,7 @@ import torch
 import torchvision
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import reference_args
+from job.bench.common import reference_args
 
 
 class Net(L.LightningModule):

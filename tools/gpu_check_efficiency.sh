@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Efficiency-options GPU check: ONE command, at most ~7.5 minutes on one H200. Results go to $OUT (default /tmp/efficiency-gpu).
-#   bash benchmarks/gpu_check_efficiency.sh
-# 1. benchmarks/gpu_efficiency.py: ResNet-50 images/s for fp32 / fp32+tf32 / bf16 / bf16+channels_last /
+#   bash tools/gpu_check_efficiency.sh
+# 1. tools/gpu_efficiency.py: ResNet-50 images/s for fp32 / fp32+tf32 / bf16 / bf16+channels_last /
 #    +compile, each with and without the side-stream prefetch; no wrapper vs DDP vs DataParallel on one GPU.
 # 2. The job itself on the GPU: train.strategy=dp runs; ZeRO + bf16 comm hook + EMA + device prefetch on
 #    an ImageFolder (pinned host batches) with NCCL, checkpoint and all.
 # Needs the project's venv with the CUDA build of torch (.venv, or PYTHON=...); the machine has no network.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/efficiency-gpu}
 mkdir -p "$OUT/tmp"
 export TMPDIR="$OUT/tmp"
@@ -16,7 +16,7 @@ PY=${PYTHON:-.venv/bin/python}
 start=$(date +%s)
 { nvidia-smi; "$PY" -c 'import torch, torchvision, timm; print(torch.__version__, torchvision.__version__, timm.__version__, torch.cuda.is_available())'; } > "$OUT/env.txt" 2>&1
 
-timeout 300 "$PY" benchmarks/gpu_efficiency.py --out "$OUT/efficiency_gpu.json" --budget-s 230 > "$OUT/bench.log" 2>&1
+timeout 300 "$PY" tools/gpu_efficiency.py --out "$OUT/efficiency_gpu.json" --budget-s 230 > "$OUT/bench.log" 2>&1
 echo "bench rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 
 timeout 70 "$PY" -m job train --run.output-dir "$OUT/runs" --run.name dp --data.source synthetic \

@@ -5,7 +5,7 @@ worker count. Goals: loader >= 1.2x consumption at the default worker count; dat
 
 The loader is measured alone (it has the whole machine); in training its workers share the cores with
 the model, which is what the logged data-wait fraction shows. Also compared: the decode paths
-(benchmarks/decode.py) and WebDataset shards vs the ImageFolder on the same images (benchmarks/shards.py).
+(job/bench/decode.py) and WebDataset shards vs the ImageFolder on the same images (job/bench/shards.py).
 
     ddp-job bench data [--quick] [--workers 0,1,2,4] [--reps 2]
 """
@@ -15,33 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common, decode, shards
-
-
-def loader_rate(path: Path, workers: int, batch: int, size: int, batches: int, source: str = "imagefolder") -> float:
-    """Images/s of this rank's training loader over ``batches`` batches, after two warm-up batches."""
-    import torch
-
-    from job.config import DataConfig
-    from job.data.source import build_loaders
-
-    cfg = DataConfig(source=source, path=path, num_classes=10, image_size=size, num_workers=workers)  # type: ignore[arg-type]
-    loaders = build_loaders(cfg, 0, 1, batch, 0, torch.device("cpu"))
-    it = iter(loaders.train)
-    for _ in range(2):
-        next(it)
-    t0 = time.perf_counter()
-    n = 0
-    for _ in range(batches):
-        images, _labels = next(it)
-        n += images.shape[0]
-    dt = time.perf_counter() - t0
-    del it, loaders
-    return n / dt
+from job.bench import common, decode, shards
+from job.bench.loader import loader_rate
 
 
 def trainer_scalar(tmp: Path, tag: str, name: str, source: str, data: Path, a: Any, warmup: int) -> float:
@@ -65,7 +43,7 @@ def trainer_scalar(tmp: Path, tag: str, name: str, source: str, data: Path, a: A
 def _cpu() -> Any:
     import torch
 
-    return torch.device("cpu")  # the GPU comparison is benchmarks/gpu_run.sh's
+    return torch.device("cpu")  # the GPU comparison is tools/gpu_run.sh's
 
 
 def main(argv: list[str]) -> int:

@@ -3,8 +3,10 @@
 fresh gradients before each step (as after ``zero_grad(set_to_none=True)`` and a backward), 80 steps
 alternating between the two, median of the last 75.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.profile_param_groups
+    OMP_NUM_THREADS=1 python tools/profile_param_groups.py
 """
+
+from __future__ import annotations
 
 import statistics
 import time
@@ -13,8 +15,6 @@ import torch
 import torchvision
 
 from job.train.optim import param_groups
-
-torch.set_num_threads(1)
 
 
 def build(groups: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
@@ -25,15 +25,24 @@ def build(groups: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]
     return params, torch.optim.SGD(spec, lr=0.1, momentum=0.9, foreach=True)
 
 
-sides = {groups: build(groups) for groups in (1, 2)}
-times: dict[int, list[float]] = {1: [], 2: []}
-for i in range(80):
-    for groups in (1, 2) if i % 2 == 0 else (2, 1):
-        params, opt = sides[groups]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        t0 = time.perf_counter()
-        opt.step()
-        times[groups].append(time.perf_counter() - t0)
-for groups, t in times.items():
-    print(f"{groups} parameter group(s): {statistics.median(t[5:]) * 1000:.2f} ms per step")
+def main() -> None:
+    torch.set_num_threads(1)
+    sides = {groups: build(groups) for groups in (1, 2)}
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for i in range(80):
+        order = (1, 2)
+        if i % 2:
+            order = (2, 1)
+        for groups in order:
+            params, opt = sides[groups]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            t0 = time.perf_counter()
+            opt.step()
+            times[groups].append(time.perf_counter() - t0)
+    for groups, t in times.items():
+        print(f"{groups} parameter group(s): {statistics.median(t[5:]) * 1000:.2f} ms per step")
+
+
+if __name__ == "__main__":
+    main()

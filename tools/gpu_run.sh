@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPU benchmarks: ONE prepared command, at most ~8 minutes on one H200. Results (JSON lines + logs)
 # go to $OUT (default /tmp/bench-gpu); it refuses on a machine without a CUDA GPU.
-#   bash benchmarks/gpu_run.sh
+#   bash tools/gpu_run.sh
 # 1. scaling: ResNet-50 bf16 channels_last, compile off/on, batch 128,256,512, images/s + MFU (<= 160 s)
 # 2. overhead: ddp-job train vs bare DDP loop (vs Lightning if installed), 1 GPU, ResNet-50 bf16 CL (<= 80 s)
 #    and the same alternating step by step in one process (bench paired, <= 60 s)
 # 3. data: the trainer on synthetic data vs decoded JPEGs, decoded by 8 workers (data.decode=cpu) and on the
 #    GPU (data.decode=gpu), img/s and each over synthetic (goal >= 0.95 with gpu)                    (~2.5 min)
 # Needs the project's venv with the CUDA build of torch (.venv, or PYTHON=...); the machine has no network.
-# Kept separate from benchmarks/gpu_check_efficiency.sh, same conventions ($OUT, TMPDIR, timeouts).
+# Kept separate from tools/gpu_check_efficiency.sh, same conventions ($OUT, TMPDIR, timeouts).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/bench-gpu}
@@ -32,7 +32,7 @@ lim() {  # lim SECONDS: SECONDS, or the seconds left of BUDGET_S if fewer (at le
 { date -u; timeout 20 nvidia-smi; timeout 60 "$PY" -c 'import torch, torchvision; print(torch.__version__, torchvision.__version__)'; } > "$OUT/env.txt" 2>&1
 step() {  # name timeout args...
   local name=$1 t=$2; shift 2
-  timeout "$(lim "$t")" "$PY" -m "benchmarks.$name" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$(lim "$t")" "$PY" -m "job.bench.$name" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
   tail -n 1 "$OUT/$name.log" >> "$OUT/results.jsonl"
 }
@@ -52,7 +52,7 @@ for run in synthetic:synthetic:cpu imagefolder:cpu:cpu imagefolder:gpu:gpu; do
     > "$OUT/data-$name.log" 2>&1
   echo "data-$name rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 done
-timeout "$(lim 20)" "$PY" -m benchmarks.decode "$OUT/runs" 10 >> "$OUT/results.jsonl" 2>> "$OUT/summary.txt"
+timeout "$(lim 20)" "$PY" -m job.bench.decode "$OUT/runs" 10 >> "$OUT/results.jsonl" 2>> "$OUT/summary.txt"
 grep -h "samples/s" "$OUT"/data-*.log | tail -8 >> "$OUT/summary.txt"
 rm -rf "$OUT/tmp" "$OUT/data" "$OUT/runs"/*/step-*  # keep logs, TensorBoard events and results, not checkpoints
 cat "$OUT/summary.txt" "$OUT/results.jsonl"

@@ -1,5 +1,5 @@
 """Startup: wall time from launching ``torchrun -m job train`` (2 processes) to the first completed
-optimizer step, vs launching a bare torchrun script (benchmarks/bare_ddp.py) to its first collective
+optimizer step, vs launching a bare torchrun script (job/bench/bare_ddp.py) to its first collective
 (and, for reference, to its first optimizer step on the same model). Interleaved per repetition; the
 trainer's time comes from the wall time of its step-1 TensorBoard event. Goal: <= 1.25x.
 
@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import common
+from job.bench import common
 
 HERE = Path(__file__).resolve().parent
 
