@@ -4,6 +4,7 @@ these ending in exit 2 with the setting, the value and the fix named, before any
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -99,9 +100,10 @@ def test_user_data_keeps_the_seeded_augmentation_and_sharding() -> None:
 
     one = batches(0, 1, 8)
     assert [tuple(b.shape) for b in one] == [(8, 3, 16, 16)] * 3
-    assert all(torch.equal(a, b) for a, b in zip(one, batches(0, 1, 8, num_workers=2)))
+    assert torch.equal(torch.stack(batches(0, 1, 8, num_workers=2)), torch.stack(one))
     r0, r1 = batches(0, 2, 4), batches(1, 2, 4)
-    assert all(torch.equal(torch.cat([a, b]), c) for a, b, c in zip(r0, r1, one))
+    assert len(r0) == len(r1) == len(one)
+    assert torch.equal(torch.stack([torch.cat([a, b]) for a, b in zip(r0, r1)]), torch.stack(one))
     loaders = build_loaders(cfg, 0, 1, 5, seed=3, device=CPU)
     assert sum(len(labels) for _, labels in loaders.val) == loaders.val_info.total == 24
 
@@ -294,9 +296,18 @@ def test_bad_user_code_exits_2_naming_setting_and_fix_before_writing(
 
 
 def test_the_example_package_imports_nothing_of_the_job() -> None:
-    for path in (EXAMPLE / "tinyshapes").glob("*.py"):
-        assert "import job" not in path.read_text() and "from job" not in path.read_text(), path
-    assert sys.modules.get("tinyshapes") is None or "job" not in dir(sys.modules["tinyshapes"])
+    modules = sorted(f"tinyshapes.{p.stem}" for p in (EXAMPLE / "tinyshapes").glob("*.py") if p.stem != "__init__")
+    assert modules == ["tinyshapes.data", "tinyshapes.model"]
+    # A fresh interpreter, so that nothing this test process imported counts: import every module of the
+    # example, then list the job's modules that came with them (directly or through any other import).
+    probe = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
+        "print(sorted(m for m in sys.modules if m == 'job' or m.startswith('job.')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE)}
+    r = subprocess.run([sys.executable, "-c", probe], env=env, cwd=EXAMPLE, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
 
 
 def test_a_resume_may_name_other_initial_weights_but_not_other_options() -> None:
