@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import base_env, run_cli
 from pydantic import ValidationError
+from support.cli import base_env, run_cli
 
 from job.config import JobConfig, config_to_dict, dump_config, flatten, load_config
 from job.config.plan import make_plan

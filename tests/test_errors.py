@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 from job import cli, errors
 from job.errors import (

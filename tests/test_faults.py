@@ -28,7 +28,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, base_env, bin_path, make_data, require
+from support import ROOT
+from support.ci import bin_path, require
+from support.cli import base_env, make_data
 
 from job.launchers.env import LAUNCHER_VAR_PREFIXES
 

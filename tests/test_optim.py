@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_env, load_final_state, run_cli
+from support.cli import base_env, run_cli
+from support.runs import load_final_state
 from torch import nn
 
 from job.config import load_config

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from support import ROOT
 
 
 def test_constraints_match_pyproject_and_the_installed_closure() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLE, ROOT
 from PIL import Image
+from support import EXAMPLE, ROOT
 
 from job.config import DataConfig, ModelConfig, load_config
 from job.data import usersource
@@ -56,7 +56,7 @@ def test_user_model_is_built_with_its_options_and_checked_on_meta() -> None:
     assert model[0].out_channels == 4 and model[-1].out_features == 5
     assert check_model(cfg, 5, 32)[-1].weight.device.type == "meta"
     with pytest.raises(UserCodeError, match=r"2 x 4 logits") as err:
-        check_model(ModelConfig(name="user_cases:model_with_wrong_output"), 4, 32)
+        check_model(ModelConfig(name="support.user_cases:model_with_wrong_output"), 4, 32)
     assert err.value.setting == "model.name" and "tensor of shape [2, 5]" in err.value.what
 
 
@@ -67,11 +67,11 @@ def test_resolve_names_what_is_missing() -> None:
         resolve("model.name", "tinyshapes.model:nope")
     assert "tiny_cnn" in err.value.fix
     with pytest.raises(UserCodeError, match="is a int, not a callable"):
-        resolve("data.source", "user_cases:NOT_CALLABLE")
+        resolve("data.source", "support.user_cases:NOT_CALLABLE")
 
 
 def test_items_are_checked_against_the_contract() -> None:
-    cfg = DataConfig(source="user_cases:tensor_images", num_classes=4)
+    cfg = DataConfig(source="support.user_cases:tensor_images", num_classes=4)
     image = Image.new("L", (7, 5))
     assert usersource.to_item(cfg, (image, 3), "x")[0].shape == (3, 5, 7)  # grey PIL -> RGB CHW
     assert usersource.to_item(cfg, [torch.zeros(3, 4, 6, dtype=torch.uint8), torch.tensor(2)], "x")[1] == 2
@@ -92,7 +92,7 @@ def test_items_are_checked_against_the_contract() -> None:
 def test_user_data_keeps_the_seeded_augmentation_and_sharding() -> None:
     """Tensors of varying sizes come out at data.image_size; the same (epoch, index) gives the same crop with and
     without workers, and two ranks' shards together are the single-process batches."""
-    cfg = DataConfig(source="user_cases:tensor_images", num_classes=4, image_size=16, num_workers=0)
+    cfg = DataConfig(source="support.user_cases:tensor_images", num_classes=4, image_size=16, num_workers=0)
 
     def batches(rank: int, world: int, micro: int, **over: object) -> list[torch.Tensor]:
         loaders = build_loaders(cfg.model_copy(update=over), rank, world, micro, seed=3, device=CPU)
@@ -210,44 +210,52 @@ BAD = {
     ),
     "missing attribute": (["--data.source", "tinyshapes.data:nope", *DATA], "data.source", "no attribute 'nope'"),
     "model signature": (
-        ["--model.name", "user_cases:model_without_num_classes", *USER_DATA],
+        ["--model.name", "support.user_cases:model_without_num_classes", *USER_DATA],
         "model.name",
-        "cannot be called as user_cases:model_without_num_classes(num_classes=...)",
+        "cannot be called as support.user_cases:model_without_num_classes(num_classes=...)",
     ),
     "model options": (
         [*USER_MODEL, "--model.options", '{"depth": 3}', *USER_DATA],
         "model.name",
         "unexpected keyword argument 'depth'",
     ),
-    "not a module": (["--model.name", "user_cases:model_that_is_not_a_module", *USER_DATA], "model.name", "dict"),
+    "not a module": (
+        ["--model.name", "support.user_cases:model_that_is_not_a_module", *USER_DATA],
+        "model.name",
+        "dict",
+    ),
     "model output": (
-        ["--model.name", "user_cases:model_with_wrong_output", *USER_DATA],
+        ["--model.name", "support.user_cases:model_with_wrong_output", *USER_DATA],
         "model.name",
         "not 2 x 4 logits",
     ),
     "dataset signature": (
-        [*USER_MODEL, "--data.source", "user_cases:data_without_split", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_without_split", *DATA],
         "data.source",
-        "cannot be called as user_cases:data_without_split(split=..., path=...)",
+        "cannot be called as support.user_cases:data_without_split(split=..., path=...)",
     ),
     "iterable dataset": (
-        [*USER_MODEL, "--data.source", "user_cases:data_iterable", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_iterable", *DATA],
         "data.source",
         "not a map-style dataset",
     ),
-    "empty dataset": ([*USER_MODEL, "--data.source", "user_cases:data_empty", *DATA], "data.source", "is empty"),
+    "empty dataset": (
+        [*USER_MODEL, "--data.source", "support.user_cases:data_empty", *DATA],
+        "data.source",
+        "is empty",
+    ),
     "image shape": (
-        [*USER_MODEL, "--data.source", "user_cases:data_channels_last", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_channels_last", *DATA],
         "data.source",
         r"train[0]: the image is a torch.uint8 tensor of shape [20, 20, 3]",
     ),
     "image type": (
-        [*USER_MODEL, "--data.source", "user_cases:data_float_images", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_float_images", *DATA],
         "data.source",
         "torch.float32 tensor",
     ),
     "label range": (
-        [*USER_MODEL, "--data.source", "user_cases:data_label_out_of_range", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_label_out_of_range", *DATA],
         "data.source",
         "the label 7 is outside [0, data.num_classes=4)",
     ),
