@@ -15,7 +15,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 # command:package for what the tests call directly: ip for the simulated pods' network namespaces
-# (tests/k8s_sim.py), mount/umount/nsenter/unshare for namespaces and small tmpfs file systems,
+# (tests/support/k8s_sim.py), mount/umount/nsenter/unshare for namespaces and small tmpfs file systems,
 # getent and hostname for the pods' names, git for the image's revision label.
 TOOLS=(ip:iproute2 mount:mount umount:mount nsenter:util-linux unshare:util-linux getent:libc-bin hostname:hostname
        git:git)

@@ -9,22 +9,58 @@ import math
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import ROOT, base_env, require, run_cli
+from support import ROOT
+from support.ci import require
+from support.cli import base_env, run_cli
 
 pytestmark = pytest.mark.timeout(900)
 
 
-def bench(tmp_path, name: str, *args: str, rc: int = 0) -> dict:
+def bench(tmp_path, name: str, *args: str) -> dict:
     r = run_cli(["bench", name, "--quick", *args], env=base_env(tmp_path), timeout=840)
-    assert r.returncode == rc, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     last = r.stdout.strip().splitlines()[-1]
     out = json.loads(last)
     assert out["benchmark"] == name and out["quick"] is True
-    assert "== " in r.stdout or rc != 0, "the table is missing"
+    assert re.search(r"^== \S", r.stdout, re.M), f"the table is missing:\n{r.stdout[-3000:]}"
     return out
+
+
+def timed_bench(tmp_path, name: str, *args: str) -> tuple[dict, float]:
+    """``bench`` and the wall seconds the whole command took: no step it timed can have taken longer."""
+    t0 = time.monotonic()
+    out = bench(tmp_path, name, *args)
+    return out, time.monotonic() - t0
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def documented_goal(measure: str) -> float:
+    """The bound of a ``<= Nx`` goal in the goals table of docs/benchmarks.md (``| 4 | MEASURE | <= 0.10x |``)."""
+    for line in DOCS.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 2 and cells[1] == measure:
+            m = re.fullmatch(r"<= (\d+\.\d+)x", cells[2])
+            assert m, f"{DOCS.name}: the goal of {measure!r} is not of the form '<= Nx': {cells[2]!r}"
+            return float(m[1])
+    raise AssertionError(f"{DOCS.name} has no goals row {measure!r}")
+
+
+# Bounds of a ratio between two programs that do the same work (the same model, batch and steps): a factor of 3
+# either way is far beyond what machine load does to CPU seconds, and well inside what a mismatch of the work
+# (a 4x batch, a missing backward pass) or of units (ms vs s) does. Wall times move more with neighbours' load.
+SAME_WORK_CPU = (1 / 3, 3)
+SAME_WORK_WALL = (1 / 5, 5)
+
+
+def within(value: float, bounds: tuple[float, float]) -> bool:
+    return bounds[0] < value < bounds[1]
 
 
 def close(a: float, b: float) -> bool:
@@ -42,24 +78,32 @@ def test_overhead_quick(tmp_path):
         importlib.util.find_spec("lightning") is not None,
         "lightning is not installed: install the bench extra (scripts/setup.sh dev,bench)",
     )
-    out = bench(tmp_path, "overhead", "--lightning", "on")
+    out, elapsed = timed_bench(tmp_path, "overhead", "--lightning", "on")
     assert out["lightning"]
     r = out["nprocs"]["1"]
-    for k in ("job", "bare", "job_wall"):
-        assert r[k]["n"] == 1 and 0 < r[k]["median"] < 120
+    for k in ("job", "bare", "lightning", "job_wall"):
+        assert r[k]["n"] == 1 and r[k]["median"] > 0
+    # each of the three programs ran its steps after the warm-up one after the other inside the command, at least
+    # half of them no faster than their median: their medians are in seconds and of those steps
+    timed = out["config"]["steps"] - out["config"]["warmup"]
+    assert (
+        timed >= 2 and timed / 2 * (r["job_wall"]["median"] + r["bare"]["median"] + r["lightning"]["median"]) < elapsed
+    )
     # steps/s ratio of the adjacent runs: bare step time / ddp-job step time
     assert close(r["ratio_vs_bare"]["median"], r["bare"]["median"] / r["job"]["median"])
-    assert 0.02 < r["ratio_vs_bare"]["median"] < 50
+    assert within(r["ratio_vs_bare"]["median"], SAME_WORK_WALL), r["ratio_vs_bare"]
+    assert within(r["ratio_vs_lightning"]["median"], SAME_WORK_WALL), r["ratio_vs_lightning"]
     # the wall time per step includes what the logged step time excludes
     assert r["job_wall"]["median"] >= r["job"]["median"] * 0.9
     assert close(r["ratio_vs_lightning"]["median"], r["lightning"]["median"] / r["job"]["median"])
     # CPU seconds per step (all threads of the busiest rank): positive, and the load-robust ratio is their ratio
     assert r["job_cpu"]["median"] > 0 and r["bare_cpu"]["median"] > 0
     assert close(r["ratio_cpu_vs_bare"]["median"], r["bare_cpu"]["median"] / r["job_cpu"]["median"])
+    assert within(r["ratio_cpu_vs_bare"]["median"], SAME_WORK_CPU), r["ratio_cpu_vs_bare"]
 
 
 def test_paired_quick_runs_the_real_loop(tmp_path):
-    out = bench(tmp_path, "paired")
+    out, elapsed = timed_bench(tmp_path, "paired")
     r = out["result"]["1"]
     (rep,) = r["reps"]
     # the trainer's own loop ran one step per job block: pairs x block steps, no more (no final step inside)
@@ -67,7 +111,10 @@ def test_paired_quick_runs_the_real_loop(tmp_path):
     assert rep["pairs"] == out["pairs"] - int(out["args"]["warmup"])
     # equal step counts on both sides: the ratio of totals is the ratio of the mean step times
     assert close(rep["wall"], rep["bare_step_s"] / rep["job_step_s"])
-    assert 0.02 < rep["wall"] < 50 and 0.02 < rep["cpu"] < 50
+    # both sides step in the same processes, block by block: the same load falls on both
+    assert within(rep["wall"], SAME_WORK_CPU) and within(rep["cpu"], SAME_WORK_CPU), rep
+    # the mean step times are seconds of steps that ran inside this command
+    assert rep["pairs"] * out["block"] * (rep["job_step_s"] + rep["bare_step_s"]) < elapsed
     assert close(r["ratio_wall"]["median"], rep["wall"]) and close(r["ratio_cpu"]["median"], rep["cpu"])
 
 
@@ -151,7 +198,12 @@ def test_checkpoint_quick(tmp_path):
     assert all(v["n"] == out["reps"] and v["median"] > 0 for v in b.values())
     assert out["async_write_s"]["median"] >= b["async"]["min"]  # the background write includes the snapshot
     assert close(out["ratio_of_medians"]["async"], b["async"]["median"] / b["torch.save"]["median"])
-    assert out["goal_async_le_0_10"] == (out["ratio_per_rep"]["async"]["median"] <= 0.10)
+    # the verdict is the documented goal's, on the median of the per-repetition ratios (quick: 2 repetitions, whose
+    # median is the middle of their range)
+    per_rep = out["ratio_per_rep"]["async"]
+    assert out["reps"] == per_rep["n"] == 2
+    goal = documented_goal("async checkpoint stall / torch.save")
+    assert out["goal_async_le_0_10"] is ((per_rep["min"] + per_rep["max"]) / 2 <= goal)
 
 
 def test_startup_quick(tmp_path):
@@ -160,7 +212,10 @@ def test_startup_quick(tmp_path):
     assert 0 < s["bare_first_collective"]["median"] <= s["bare_first_step"]["median"]
     assert s["job_first_step"]["median"] > 0
     assert close(out["ratio"]["median"], s["job_first_step"]["median"] / s["bare_first_collective"]["median"])
-    assert out["goal_le_1_25"] == (out["ratio"]["median"] <= 1.25)
+    # the verdict is the documented goal's, on the one repetition's raw times
+    assert out["reps"] == 1
+    ratio = s["job_first_step"]["median"] / s["bare_first_collective"]["median"]
+    assert out["goal_le_1_25"] is (ratio <= documented_goal("first step / bare first collective"))
 
 
 def test_data_quick(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import require
+from support.ci import require
 
 from job.checkpoint import store as ckpt
 from job.checkpoint.resume import check_resumable, config_differences, map_data_position

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import base_env, run_cli
+import yaml
 from pydantic import ValidationError
+from support.cli import base_env, run_cli
 
-from job.config import JobConfig, dump_config, load_config
+from job.config import JobConfig, config_to_dict, dump_config, flatten, load_config
 from job.config.plan import make_plan
 from job.errors import BadInput
 
@@ -203,9 +204,19 @@ def test_config_is_frozen() -> None:
         cfg.train.steps = 5  # type: ignore[misc]
 
 
-def test_every_shipped_config_loads() -> None:
-    for f in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
-        assert isinstance(load_config(["--config", str(f)], {}), JobConfig), f
+def test_every_shipped_config_loads_with_its_values() -> None:
+    files = sorted(Path(__file__).parents[1].glob("configs/*.yaml"))
+    assert [f.name for f in files] == [
+        "container.yaml",
+        "cpu-smoke.yaml",
+        "resnet50-imagenet.yaml",
+        "synthetic-benchmark.yaml",
+    ]
+    for f in files:
+        written = flatten(yaml.safe_load(f.read_text()))
+        loaded = flatten(config_to_dict(load_config(["--config", str(f)], {})))
+        assert written, f
+        assert {k: loaded.get(k) for k in written} == written, f
 
 
 # --- plan: derived values -------------------------------------------------------------------------------

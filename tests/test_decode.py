@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from support.cli import run_cli
 from test_faults import STEPS, Job, assert_bitwise_equal, final_state, jobs, train_args  # noqa: F401
 
 from job.config import DataConfig

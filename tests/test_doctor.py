@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, base_env, bin_path, make_data, require_tool
+from support import ROOT
+from support.ci import bin_path, require_tool
+from support.cli import base_env, make_data
 
 ARGS = [
     "--data.num-classes",

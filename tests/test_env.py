@@ -353,10 +353,13 @@ def test_slurm_master_port() -> None:
     assert len(set(ports)) == SLURM_PORT_SPAN  # neighbouring jobs never share a port
     assert min(ports) == SLURM_PORT_BASE and max(ports) == SLURM_PORT_BASE + SLURM_PORT_SPAN - 1
     assert max(ports) < 32768  # below the Linux ephemeral range
-    assert slurm_master_port("123456") == slurm_master_port("123456")
-    het = slurm_master_port("123+1")
-    assert SLURM_PORT_BASE <= het < SLURM_PORT_BASE + SLURM_PORT_SPAN
-    assert het == slurm_master_port("123+1") != slurm_master_port("123+2")
+    # Every task computes the port in its own process, and slurm/train.sbatch in bash: the values are fixed by the
+    # formula, never by the process. A numeric id is 20000 + id mod 9000 (the sbatch's rdzv_port); any other id
+    # (het-job "123+1", array "123_4") 20000 + crc32(id) mod 9000, e.g. crc32(b"123+1") = 29552795.
+    assert slurm_master_port("123456") == 26456
+    assert slurm_master_port(" 123456\n") == 26456
+    assert slurm_master_port("4294967295") == 25295
+    assert [slurm_master_port(i) for i in ("123+1", "123+2", "123_4")] == [25795, 22889, 27398]
 
 
 # --- bad environments: each message names the variable, the value and a fix -------------------------
@@ -505,7 +508,7 @@ def test_bad_input(name: str) -> None:
     message = str(info.value)
     for needle in needles:
         assert needle in message, f"{needle!r} not in {message!r}"
-    assert "Fix" in message or "ddp-job launch" in message, message
+    assert "Fix: " in message, message
 
 
 def test_detect_env_reads_only_the_mapping() -> None:

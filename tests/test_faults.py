@@ -28,7 +28,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, base_env, bin_path, make_data, require
+from support import ROOT
+from support.ci import bin_path, require
+from support.cli import base_env, make_data
+from support.runs import tiny_args
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
@@ -43,16 +46,7 @@ def train_args(data: Path, out: Path, name: str, *extra: str) -> list[str]:
         str(out),
         "--run.name",
         name,
-        "--data.path",
-        str(data),
-        "--data.num-classes",
-        "4",
-        "--data.image-size",
-        "16",
-        "--data.num-workers",
-        "2",
-        "--model.name",
-        "resnet18",
+        *tiny_args(data, workers=2),
         "--model.norm",
         "group",
         "--train.steps",
@@ -666,18 +660,9 @@ def test_stalled_data_worker_ends_in_an_error_naming_the_setting(tmp_path: Path)
         str(out),
         "--run.name",
         "stall",
-        "--data.path",
-        str(data),
-        "--data.num-classes",
-        "4",
-        "--data.image-size",
-        "16",
-        "--data.num-workers",
-        "1",
+        *tiny_args(data, workers=1),
         "--data.loader-timeout-s",
         "5",
-        "--model.name",
-        "resnet18",
         "--train.steps",
         "40",
         "--train.global-batch-size",

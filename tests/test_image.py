@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import EXAMPLE, ROOT, dev_tool, require
+from support import EXAMPLE, ROOT
+from support.ci import dev_tool, require
 
 SETUP_TIMEOUT_S = 900  # tests/infra/podman-setup.sh: debootstrap + import of the stand-in base (100 s measured)
 BUILD_TIMEOUT_S = 3600  # podman build: twice the slowest cold build measured under load (docs/docker.md)
@@ -39,7 +40,7 @@ EXAMPLE_TAG = "localhost/ddp-job-example:test"  # examples/tinyshapes/Dockerfile
 UID = 10001  # the image's non-root user (docker/Dockerfile)
 DEFAULT_CONFIG = "/opt/ddp-job/configs/container.yaml"
 REPORT: dict[str, object] = {}
-# One intra-op thread per process, as for every CPU test here (conftest.base_env): on 2 shared cores,
+# One intra-op thread per process, as for every CPU test here (support.cli.base_env): on 2 shared cores,
 # OpenMP threads spinning against other jobs' processes made steps ~100x slower. Env, not arguments,
 # so the "no arguments" run still takes the image's default command.
 CPU_ENV = ["-e", "OMP_NUM_THREADS=1"]

@@ -1,4 +1,4 @@
-"""Simulated pods depend on nothing outside their simulation (tests/k8s_sim.py, tests/k8s_pod.py).
+"""Simulated pods depend on nothing outside their simulation (tests/support/k8s_sim.py, tests/support/k8s_pod.py).
 
 Three simulations run at once: two of the same PyTorchJob (the same pod names) and one TrainJob, each
 pod a probe container over the rendered cpu-smoke volumes. While every probe runs, directories at the
@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import k8s_sim as ks
-import k8s_trainjob_sim as ts
-import k8s_validate as kv
 import pytest
-from conftest import require
+from support import k8s_sim as ks
+from support import k8s_trainjob_sim as ts
+from support import k8s_validate as kv
+from support.ci import require
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 300  # a loaded 2-core machine imports torch 5-10x slower than an idle one

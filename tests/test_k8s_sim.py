@@ -1,4 +1,4 @@
-"""The rendered PyTorchJob, run pod by pod as the training operator and kubelet would (tests/k8s_sim.py).
+"""The rendered PyTorchJob, run pod by pod as the training operator and kubelet would (tests/support/k8s_sim.py).
 
 Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace; the
 container's command runs as written with the operator's environment; restarts follow restartPolicy.
@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import k8s_sim as ks
-import k8s_validate as kv
 import pytest
 import yaml
-from conftest import require
+from support import k8s_sim as ks
+from support import k8s_validate as kv
+from support.ci import require
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 420  # per job; a loaded 2-core machine is 5-10x slower than an idle one

@@ -1,4 +1,4 @@
-"""The rendered TrainJob, run pod by pod as Kubeflow Trainer v2 + JobSet + kubelet would (tests/k8s_trainjob_sim.py).
+"""The rendered TrainJob, run pod by pod as Kubeflow Trainer v2 + JobSet + kubelet would (tests/support/k8s_trainjob_sim.py).
 
 Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace, named
 and resolved as JobSet names them; the container runs `ddp-job launch` with exactly the torch plugin's
@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import k8s_sim as ks
-import k8s_trainjob_sim as ts
-import k8s_validate as kv
 import pytest
 import yaml
-from conftest import require
+from support import k8s_sim as ks
+from support import k8s_trainjob_sim as ts
+from support import k8s_validate as kv
+from support.ci import require
 
 from job.cluster.env import detect_env
 

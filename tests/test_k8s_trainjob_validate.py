@@ -1,7 +1,7 @@
 """The Kubeflow Trainer v2 manifests pass what a v2.3.0 cluster checks, and each check catches its mistake.
 
 Every kustomize directory under k8s/trainjob/overlays is rendered with `kubectl kustomize`, and
-k8s/trainjob.yaml is read as `kubectl apply -f` would; tests/k8s_trainjob_validate.py then applies the
+k8s/trainjob.yaml is read as `kubectl apply -f` would; tests/support/k8s_trainjob_validate.py then applies the
 TrainJob and TrainingRuntime CRD schemas (unknown fields rejected), the Trainer and JobSet webhook
 rules and the project's rules. The negative tests break one thing in a valid rendering and require
 the validator to name it.
@@ -13,11 +13,11 @@ import copy
 import shutil
 from collections.abc import Callable
 
-import k8s_trainjob_validate as tv
-import k8s_validate as kv
 import pytest
 import yaml
-from conftest import require
+from support import k8s_trainjob_validate as tv
+from support import k8s_validate as kv
+from support.ci import require
 
 ROOT = kv.K8S / "trainjob"
 OVERLAYS = sorted(p.parent for p in (ROOT / "overlays").glob("*/kustomization.yaml"))

@@ -1,7 +1,7 @@
 """The shipped Kubernetes manifests pass what a real cluster checks, and each check catches its mistake.
 
 Every kustomize directory under k8s/overlays is rendered with `kubectl kustomize`, and
-k8s/pytorchjob.yaml is read as `kubectl apply -f` would; then tests/k8s_validate.py applies the
+k8s/pytorchjob.yaml is read as `kubectl apply -f` would; then tests/support/k8s_validate.py applies the
 API server's schemas (built-in kinds and the real PyTorchJob CRD), the operator's webhook rules and
 the project's rules. The negative tests break one thing in a valid rendering and require the
 validator to name it.
@@ -13,10 +13,10 @@ import copy
 import shutil
 from collections.abc import Callable
 
-import k8s_validate as kv
 import pytest
 import yaml
-from conftest import require
+from support import k8s_validate as kv
+from support.ci import require
 
 OVERLAYS = sorted(p.parent for p in (kv.K8S / "overlays").glob("*/kustomization.yaml"))
 

@@ -2,7 +2,7 @@
 and the workers' exit codes mapped to the job's (docs/design.md).
 
 The integration tests run the real torchrun elastic agent (launch_main in a child process, so signals
-hit only it) with 2 workers of tests/launch_worker.py, which exits with a code chosen per rank.
+hit only it) with 2 workers of tests/support/launch_worker.py, which exits with a code chosen per rank.
 
 Why launch sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (measured 2026-11-29, torch 2.14.1, this machine,
 gloo workers of which rank 1 crashes once after its first all_reduce, --max-restarts 2):
@@ -30,7 +30,7 @@ from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOU
 from job.launchers.torchrun import _parser, build_torchrun_args, map_exit_codes, split_argv, standalone_argv
 
 REPO = Path(__file__).resolve().parents[1]
-AGENT = "import sys; from job.launchers.torchrun import launch_main; sys.exit(launch_main(sys.argv[1:], module='tests.launch_worker'))"
+AGENT = "import sys; from job.launchers.torchrun import launch_main; sys.exit(launch_main(sys.argv[1:], module='tests.support.launch_worker'))"
 
 
 # --- pure: argument handling and the mapping ------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_elastic_restart_recovers(tmp_path: Path) -> None:
     2.14.1 with the rendezvous store shared (torch's default) this failed or hung in some runs even with
     --standalone; launch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes it reliable."""
     env = _agent_env(tmp_path, "", None)
-    agent = AGENT.replace("tests.launch_worker", "tests.launch_restart_worker")
+    agent = AGENT.replace("tests.support.launch_worker", "tests.support.launch_restart_worker")
     argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
     proc = subprocess.run(
         [sys.executable, "-c", agent, *argv], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=480

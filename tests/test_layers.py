@@ -9,7 +9,7 @@ import ast
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from conftest import ROOT
+from support import ROOT
 
 PACKAGE = ROOT / "job"
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_env, load_final_state, run_cli
+from support.cli import base_env, run_cli
+from support.runs import load_final_state, tiny_args
 from torch import nn
 
 from job.config import load_config
@@ -233,14 +234,7 @@ def train_losses(tiny_data: Path, optimizer: str, schedule: str, steps: int = 12
         *SCHEDULES[schedule],
         "--train.steps",
         str(steps),
-        "--data.path",
-        str(tiny_data),
-        "--data.num-classes",
-        "4",
-        "--data.image-size",
-        "16",
-        "--data.num-workers",
-        "0",
+        *tiny_args(tiny_data),
         "--data.augment",
         "false",
         "--optim.weight-decay",

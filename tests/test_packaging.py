@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from support import ROOT
 
 # Build outputs, environments and run data at the root of a checkout: never part of the source.
 NOT_SOURCE = {".git", ".venv", ".pytest_cache", "build", "dist", "runs", "data", "logs"}

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, base_env, bin_path, load_final_state, make_data, torchrun
+from support import ROOT
+from support.ci import bin_path
+from support.cli import base_env, make_data, torchrun
+from support.runs import load_final_state
 
 ACCUM = 3  # micro 4 x 3 accumulation steps x 2 ranks = global batch 24
 
@@ -152,7 +155,7 @@ def worker_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
         bin_path("torchrun"),
         "--standalone",
         "--nproc-per-node=2",
-        str(ROOT / "tests" / "parallel_worker.py"),
+        str(ROOT / "tests" / "support" / "parallel_worker.py"),
         str(out / "results.json"),
         str(data),
     ]

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import make_data, rank_pids, require, tfevents_writer
+from support.ci import require
+from support.cli import make_data
+from support.runs import rank_pids, tfevents_writer
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 

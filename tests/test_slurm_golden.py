@@ -13,7 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from conftest import dev_tool
+from support.ci import dev_tool
 
 from job.cluster.env import slurm_master_port
 

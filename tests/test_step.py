@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY_SYNTHETIC
+from support.runs import tiny_args
 from torch import nn
 
 from job.cluster.env import detect_env
@@ -26,7 +26,7 @@ from job.train.parts import Parts, build_parts
 from job.train.step import TrainState, train_step
 
 ARGS = [
-    *TINY_SYNTHETIC,
+    *tiny_args(),
     "--model.norm",
     "group",
     "--optim.name",

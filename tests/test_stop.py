@@ -10,13 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import TINY_SYNTHETIC
+from support.runs import tiny_args
 
 from job.cluster import stop
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 
 TINY = [
-    *TINY_SYNTHETIC,
+    *tiny_args(),
     "--train.global-batch-size",
     "8",
     "--train.steps",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +68,67 @@ def test_run_argv_fixes_the_run_directory(tmp_path: Path) -> None:
 
 def test_node_address_keeps_resolvable_names() -> None:
     assert node_address("localhost") == "localhost"
+
+
+# `scontrol show node n1` of Slurm 22.05 (Debian 12) for a node of a test cluster whose name does not resolve:
+# NodeAddr is where it is reached, NodeHostName only what slurmd calls itself.
+SHOW_NODE = """NodeName=n1 Arch=x86_64 CoresPerSocket=1
+   CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=0.31
+   AvailableFeatures=(null)
+   ActiveFeatures=(null)
+   Gres=(null)
+   NodeAddr=127.0.0.1 NodeHostName=localhost Port=17001 Version=22.05.8
+   OS=Linux 6.1.0-27-amd64 #1 SMP PREEMPT_DYNAMIC Debian 6.1.115-1 (2024-11-01)
+   RealMemory=1000 AllocMem=0 FreeMem=1536 Sockets=2 Boards=1
+   State=IDLE ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A
+   Partitions=debug
+   BootTime=2026-12-01T08:00:00 SlurmdStartTime=2026-12-02T09:00:00
+   LastBusyTime=2026-12-02T09:00:00
+   CfgTRES=cpu=2,mem=1000M,billing=2
+   AllocTRES=
+   CapWatts=n/a
+   CurrentWatts=0 AveWatts=0
+   ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s
+"""
+
+
+def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An ``scontrol`` first on PATH that answers ``show node n1`` as Slurm does (and ``Node X not found`` with
+    exit 1 for any other node), logging its arguments. Names do not resolve: no DNS query leaves the machine."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (tmp_path / "show-node-n1.txt").write_text(SHOW_NODE)
+    script = bindir / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{tmp_path}/calls"\n'
+        f'if [ "$*" = "show node n1" ]; then cat "{tmp_path}/show-node-n1.txt"; exit 0; fi\n'
+        'echo "Node $3 not found" >&2\n'
+        "exit 1\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+
+    def unresolvable(host: str, *args: object, **kwargs: object) -> object:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    return tmp_path / "calls"
+
+
+def test_node_address_of_an_unresolvable_name_is_its_nodeaddr(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    assert node_address("n1") == "127.0.0.1"
+    assert calls.read_text() == "show node n1\n"
+
+
+def test_node_address_refuses_a_node_scontrol_does_not_know(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    with pytest.raises(BadInput) as e:
+        node_address("n9")
+    assert (e.value.setting, e.value.value) == ("MASTER_ADDR", "n9")
+    assert "`scontrol show node n9` shows no NodeAddr" in e.value.what
+    assert calls.read_text() == "show node n9\n"
 
 
 def test_cli_rejects_bad_input_with_exit_2(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, base_env, load_final_state, make_data, rank_pids, run_cli, tfevents_writer, torchrun
+from support import ROOT
+from support.cli import base_env, make_data, run_cli, torchrun
+from support.runs import load_final_state, rank_pids, tfevents_writer
 
 pytestmark = pytest.mark.integration
 

@@ -4,14 +4,15 @@ these ending in exit 2 with the setting, the value and the fix named, before any
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLE, ROOT
 from PIL import Image
+from support import EXAMPLE, ROOT
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 from job.config import DataConfig, ModelConfig, load_config
@@ -55,7 +56,7 @@ def test_user_model_is_built_with_its_options_and_checked_on_meta() -> None:
     assert model[0].out_channels == 4 and model[-1].out_features == 5
     assert check_model(cfg, 5, 32)[-1].weight.device.type == "meta"
     with pytest.raises(UserCodeError, match=r"2 x 4 logits") as err:
-        check_model(ModelConfig(name="user_cases:model_with_wrong_output"), 4, 32)
+        check_model(ModelConfig(name="support.user_cases:model_with_wrong_output"), 4, 32)
     assert err.value.setting == "model.name" and "tensor of shape [2, 5]" in err.value.what
 
 
@@ -66,11 +67,11 @@ def test_resolve_names_what_is_missing() -> None:
         resolve("model.name", "tinyshapes.model:nope")
     assert "tiny_cnn" in err.value.fix
     with pytest.raises(UserCodeError, match="is a int, not a callable"):
-        resolve("data.source", "user_cases:NOT_CALLABLE")
+        resolve("data.source", "support.user_cases:NOT_CALLABLE")
 
 
 def test_items_are_checked_against_the_contract() -> None:
-    cfg = DataConfig(source="user_cases:tensor_images", num_classes=4)
+    cfg = DataConfig(source="support.user_cases:tensor_images", num_classes=4)
     image = Image.new("L", (7, 5))
     assert usersource.to_item(cfg, (image, 3), "x")[0].shape == (3, 5, 7)  # grey PIL -> RGB CHW
     assert usersource.to_item(cfg, [torch.zeros(3, 4, 6, dtype=torch.uint8), torch.tensor(2)], "x")[1] == 2
@@ -91,7 +92,7 @@ def test_items_are_checked_against_the_contract() -> None:
 def test_user_data_keeps_the_seeded_augmentation_and_sharding() -> None:
     """Tensors of varying sizes come out at data.image_size; the same (epoch, index) gives the same crop with and
     without workers, and two ranks' shards together are the single-process batches."""
-    cfg = DataConfig(source="user_cases:tensor_images", num_classes=4, image_size=16, num_workers=0)
+    cfg = DataConfig(source="support.user_cases:tensor_images", num_classes=4, image_size=16, num_workers=0)
 
     def batches(rank: int, world: int, micro: int, **over: object) -> list[torch.Tensor]:
         loaders = build_loaders(cfg.model_copy(update=over), rank, world, micro, seed=3, device=CPU)
@@ -99,9 +100,10 @@ def test_user_data_keeps_the_seeded_augmentation_and_sharding() -> None:
 
     one = batches(0, 1, 8)
     assert [tuple(b.shape) for b in one] == [(8, 3, 16, 16)] * 3
-    assert all(torch.equal(a, b) for a, b in zip(one, batches(0, 1, 8, num_workers=2)))
+    assert torch.equal(torch.stack(batches(0, 1, 8, num_workers=2)), torch.stack(one))
     r0, r1 = batches(0, 2, 4), batches(1, 2, 4)
-    assert all(torch.equal(torch.cat([a, b]), c) for a, b, c in zip(r0, r1, one))
+    assert len(r0) == len(r1) == len(one)
+    assert torch.equal(torch.stack([torch.cat([a, b]) for a, b in zip(r0, r1)]), torch.stack(one))
     loaders = build_loaders(cfg, 0, 1, 5, seed=3, device=CPU)
     assert sum(len(labels) for _, labels in loaders.val) == loaders.val_info.total == 24
 
@@ -208,44 +210,52 @@ BAD = {
     ),
     "missing attribute": (["--data.source", "tinyshapes.data:nope", *DATA], "data.source", "no attribute 'nope'"),
     "model signature": (
-        ["--model.name", "user_cases:model_without_num_classes", *USER_DATA],
+        ["--model.name", "support.user_cases:model_without_num_classes", *USER_DATA],
         "model.name",
-        "cannot be called as user_cases:model_without_num_classes(num_classes=...)",
+        "cannot be called as support.user_cases:model_without_num_classes(num_classes=...)",
     ),
     "model options": (
         [*USER_MODEL, "--model.options", '{"depth": 3}', *USER_DATA],
         "model.name",
         "unexpected keyword argument 'depth'",
     ),
-    "not a module": (["--model.name", "user_cases:model_that_is_not_a_module", *USER_DATA], "model.name", "dict"),
+    "not a module": (
+        ["--model.name", "support.user_cases:model_that_is_not_a_module", *USER_DATA],
+        "model.name",
+        "dict",
+    ),
     "model output": (
-        ["--model.name", "user_cases:model_with_wrong_output", *USER_DATA],
+        ["--model.name", "support.user_cases:model_with_wrong_output", *USER_DATA],
         "model.name",
         "not 2 x 4 logits",
     ),
     "dataset signature": (
-        [*USER_MODEL, "--data.source", "user_cases:data_without_split", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_without_split", *DATA],
         "data.source",
-        "cannot be called as user_cases:data_without_split(split=..., path=...)",
+        "cannot be called as support.user_cases:data_without_split(split=..., path=...)",
     ),
     "iterable dataset": (
-        [*USER_MODEL, "--data.source", "user_cases:data_iterable", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_iterable", *DATA],
         "data.source",
         "not a map-style dataset",
     ),
-    "empty dataset": ([*USER_MODEL, "--data.source", "user_cases:data_empty", *DATA], "data.source", "is empty"),
+    "empty dataset": (
+        [*USER_MODEL, "--data.source", "support.user_cases:data_empty", *DATA],
+        "data.source",
+        "is empty",
+    ),
     "image shape": (
-        [*USER_MODEL, "--data.source", "user_cases:data_channels_last", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_channels_last", *DATA],
         "data.source",
         r"train[0]: the image is a torch.uint8 tensor of shape [20, 20, 3]",
     ),
     "image type": (
-        [*USER_MODEL, "--data.source", "user_cases:data_float_images", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_float_images", *DATA],
         "data.source",
         "torch.float32 tensor",
     ),
     "label range": (
-        [*USER_MODEL, "--data.source", "user_cases:data_label_out_of_range", *DATA],
+        [*USER_MODEL, "--data.source", "support.user_cases:data_label_out_of_range", *DATA],
         "data.source",
         "the label 7 is outside [0, data.num_classes=4)",
     ),
@@ -294,9 +304,18 @@ def test_bad_user_code_exits_2_naming_setting_and_fix_before_writing(
 
 
 def test_the_example_package_imports_nothing_of_the_job() -> None:
-    for path in (EXAMPLE / "tinyshapes").glob("*.py"):
-        assert "import job" not in path.read_text() and "from job" not in path.read_text(), path
-    assert sys.modules.get("tinyshapes") is None or "job" not in dir(sys.modules["tinyshapes"])
+    modules = sorted(f"tinyshapes.{p.stem}" for p in (EXAMPLE / "tinyshapes").glob("*.py") if p.stem != "__init__")
+    assert modules == ["tinyshapes.data", "tinyshapes.model"]
+    # A fresh interpreter, so that nothing this test process imported counts: import every module of the
+    # example, then list the job's modules that came with them (directly or through any other import).
+    probe = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
+        "print(sorted(m for m in sys.modules if m == 'job' or m.startswith('job.')))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLE)}
+    r = subprocess.run([sys.executable, "-c", probe], env=env, cwd=EXAMPLE, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
 
 
 def test_a_resume_may_name_other_initial_weights_but_not_other_options() -> None:

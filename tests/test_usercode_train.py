@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLE, load_final_state, run_cli, torchrun, user_code_env
+from support import EXAMPLE
+from support.cli import run_cli, torchrun, user_code_env
+from support.runs import load_final_state
 from test_faults import Job, assert_bitwise_equal
 from test_train import TOL, exact_args, final, max_abs_diff
 

@@ -1,5 +1,5 @@
 """Run a rendered TrainJob pod by pod, as Kubeflow Trainer v2.3.0, JobSet v0.12.0, the Job controller and
-the kubelet would (their behaviour read from the sources of those tags). The pods are those of tests/k8s_sim.py
+the kubelet would (their behaviour read from the sources of those tags). The pods are those of tests/support/k8s_sim.py
 (one network namespace per pod with its own IP, hostname, /etc/hosts, mount and PID namespace, the
 image stand-in at /opt/ddp-job + /opt/venv), on a network of their own so that both simulations can
 run at once. What is Trainer v2 here:
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-import k8s_sim as ks
+from support import k8s_sim as ks
 
 SUBNET = "10.233.0"  # the first three octets of the TrainJob pods' addresses
 TRAINER_JOB = "node"  # the replicated job and the container the torch plugin fills

@@ -4,7 +4,7 @@ Follows the simulation recipe of the operator's behaviour (OPERATOR-BEHAVIOUR.md
 network namespace per pod on a private bridge:
 
 * pods ``<job>-master-0`` / ``<job>-worker-<i>`` (§2), each with its own IP, hostname, mount and PID
-  namespace and a root filesystem of its own (tests/k8s_pod.py), its own ``/etc/hosts`` (a file in the
+  namespace and a root filesystem of its own (tests/support/k8s_pod.py), its own ``/etc/hosts`` (a file in the
   simulation's work directory, bind-mounted into its containers) that always holds its own name and holds
   the other pods' names only while their container runs: what the headless Services' DNS records do
   (Ready pods only);
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"
 OPERATOR_SUBNET = "10.232.0"  # the first three octets of the PyTorchJob pods' addresses
 IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -226,7 +226,7 @@ def interpreter_prefix(venv: Path) -> Path:
 
 
 def image_layers(venv: Path, bin_dir: Path) -> list[dict]:
-    """The image's read-only layers, in mount order (tests/k8s_pod.py mounts them into each container's own
+    """The image's read-only layers, in mount order (tests/support/k8s_pod.py mounts them into each container's own
     root): the host's operating system, its devices, the base interpreter that the venv links to (at its
     own path), the checkout at IMAGE_SRC and the venv at IMAGE_VENV with its rewritten ``bin/``."""
     layers: list[dict] = []
@@ -271,7 +271,7 @@ class Pod:
 
 
 def container_spec(pod: Pod, label: str, workdir: Path, layers: list[dict], mounts: list[dict], **run: Any) -> dict:
-    """tests/k8s_pod.py's SPEC for one container run of ``pod`` (``label``: the run's number, or ``init``):
+    """tests/support/k8s_pod.py's SPEC for one container run of ``pod`` (``label``: the run's number, or ``init``):
     its own root under ``workdir``, the pod's network namespace, hosts file and hostname; ``run`` holds the
     container's ``command``, ``env`` and ``cwd``."""
     if pod.hosts is None:
@@ -563,7 +563,7 @@ def make_bridge(net: Network) -> None:
 
 def make_pod_network(pod: Pod, net: Network, files: Path) -> None:
     """The pod's network namespace on the bridge, and its (empty) hosts and resolv.conf files under
-    ``files``: bind-mounted into each of its containers by tests/k8s_pod.py."""
+    ``files``: bind-mounted into each of its containers by tests/support/k8s_pod.py."""
     ns, host_end, pod_end = pod.netns, net.veth(pod.veth, "v"), net.veth(pod.veth, "p")
     _ip("netns", "add", ns)
     _ip("link", "add", host_end, "type", "veth", "peer", "name", pod_end)
@@ -597,7 +597,7 @@ def write_hosts(pod: Pod, lines: list[str]) -> None:
 def volume_mounts(
     pod_name: str, c: dict, pod_spec: dict, config_maps: dict[str, dict], workdir: Path, pod_dir: Path
 ) -> list[dict]:
-    """The container's volumeMounts as tests/k8s_pod.py mounts: ConfigMaps read-only directories, PVCs one
+    """The container's volumeMounts as tests/support/k8s_pod.py mounts: ConfigMaps read-only directories, PVCs one
     shared directory each, ``emptyDir: {medium: Memory}`` a size-limited tmpfs, other emptyDirs a
     directory of this pod (``pod_dir``: it survives container restarts, not a new pod)."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
@@ -632,7 +632,7 @@ def volume_mounts(
 
 
 def start_container(spec_path: Path, log_path: Path) -> tuple[subprocess.Popen, IO[str], int | None]:
-    """Start one container run (tests/k8s_pod.py); returns once its PID 1 is known (the third value; None
+    """Start one container run (tests/support/k8s_pod.py); returns once its PID 1 is known (the third value; None
     when it has already exited). The caller closes the log after the process exits."""
     log = open(log_path, "w")  # noqa: SIM115 (closed when the pod's process exits)
     proc = subprocess.Popen(

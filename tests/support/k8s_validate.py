@@ -26,9 +26,9 @@ import kubernetes_validate.utils as kvu
 import yaml
 from referencing import Registry, Resource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-CRD_PATH = Path(__file__).resolve().parent / "data" / "k8s" / "kubeflow.org_pytorchjobs.yaml"
+CRD_PATH = Path(__file__).resolve().parents[1] / "data" / "k8s" / "kubeflow.org_pytorchjobs.yaml"
 KUBE_VERSION = "1.32"  # schemas of an older API server: a field newer than that is flagged
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")

@@ -1,5 +1,5 @@
 """User code that breaks the contract of docs/user-code.md in one way each, named by import path in the tests
-(``user_cases:NAME``; the tests put this directory on PYTHONPATH)."""
+(``support.user_cases:NAME``; the tests put tests/ on PYTHONPATH)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A minimal container runtime for the pod simulations (tests/k8s_sim.py): one container of a pod.
+"""A minimal container runtime for the pod simulations (tests/support/k8s_sim.py): one container of a pod.
 
 Run as ``python k8s_pod.py SPEC.json``. It does what containerd's shim and runc do for a container, as far
 as the simulations need:

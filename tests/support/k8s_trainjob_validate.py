@@ -22,10 +22,11 @@ import functools
 from pathlib import Path
 
 import jsonschema
-import k8s_validate as kv
 import yaml
 
-DATA = Path(__file__).resolve().parent / "data" / "k8s"
+from support import k8s_validate as kv
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "k8s"
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
 CRDS = {
     "TrainJob": DATA / "trainer.kubeflow.org_trainjobs.yaml",

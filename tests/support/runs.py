@@ -1,0 +1,69 @@
+"""What a run takes and leaves: the arguments of the smallest real run, and readers of its checkpoints and logs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+
+def tiny_args(
+    data: Path | None = None,
+    *,
+    classes: int = 4,
+    image_size: int = 16,
+    train_size: int = 64,
+    val_size: int = 8,
+    workers: int = 0,
+    model: str = "resnet18",
+) -> list[str]:
+    """The data and model of the smallest real run: ``model`` on ``image_size``-pixel images of ``classes``
+    classes, ``workers`` DataLoader workers. The images are the image folder ``data``, else synthetic
+    (``train_size`` and ``val_size`` of them)."""
+    if data is None:
+        source = ["--data.source", "synthetic"]
+        source += ["--data.synthetic-train-size", str(train_size), "--data.synthetic-val-size", str(val_size)]
+    else:
+        source = ["--data.path", str(data)]
+    return [
+        *source,
+        "--data.num-classes",
+        str(classes),
+        "--data.image-size",
+        str(image_size),
+        "--data.num-workers",
+        str(workers),
+        "--model.name",
+        model,
+    ]
+
+
+# TensorBoard's event-file name (tensorboard.summary.writer.event_file_writer): the host name may itself contain
+# dots, so the pid is found from the right, never by a fixed field index from the left.
+TFEVENTS_NAME = re.compile(r"events\.out\.tfevents\.(?P<time>\d+)\.(?P<host>.+)\.(?P<pid>\d+)\.(?P<n>\d+)")
+RANK_PID = re.compile(r"rank (\d+)/\d+ local \d+/\d+ node \d+/\d+ launcher=\S+ backend=\S+ pid=(\d+)")
+
+
+def tfevents_writer(path: Path) -> tuple[str, int]:
+    """(host, pid) of the process that wrote a TensorBoard event file, from its name
+    ``events.out.tfevents.<time>.<host>.<pid>.<n>``."""
+    m = TFEVENTS_NAME.fullmatch(path.name)
+    assert m, f"not a TensorBoard event-file name (events.out.tfevents.<time>.<host>.<pid>.<n>): {path.name}"
+    return m["host"], int(m["pid"])
+
+
+def rank_pids(log: str) -> dict[int, set[int]]:
+    """Each rank's pids, from the start-up line every rank prints (``rank R/W ... pid=P``)."""
+    pids: dict[int, set[int]] = {}
+    for rank, pid in RANK_PID.findall(log):
+        pids.setdefault(int(rank), set()).add(int(pid))
+    return pids
+
+
+def load_final_state(run_dir: Path) -> dict[str, Any]:
+    """state.pt of the newest checkpoint in run_dir (weights_only)."""
+    import torch
+
+    steps = sorted(p for p in run_dir.glob("step-*") if ".tmp" not in p.name)
+    assert steps, f"no checkpoint in {run_dir}: {list(run_dir.iterdir()) if run_dir.exists() else 'missing'}"
+    return torch.load(steps[-1] / "state.pt", map_location="cpu", weights_only=True)
