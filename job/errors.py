@@ -206,11 +206,19 @@ def run_command(command: str, func: Callable[[list[str]], int], argv: list[str],
     try:
         return func(argv)
     except SystemExit as e:  # argparse/CliApp --help and usage errors
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_BAD_INPUT)
-        return code
+        return _exit_status(e.code)
     except Exception as e:
         _report(command, e, show_tb)
         return exit_code_of(e)
+
+
+def _exit_status(code: object) -> int:
+    """A ``SystemExit`` code as an exit status: None is success, a message (usage error) is bad input."""
+    if isinstance(code, int):
+        return code
+    if code is None:
+        return EXIT_OK
+    return EXIT_BAD_INPUT
 
 
 def _report(command: str, err: Exception, show_tb: bool) -> None:

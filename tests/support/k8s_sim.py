@@ -276,8 +276,8 @@ def container_spec(pod: Pod, label: str, workdir: Path, layers: list[dict], moun
     container's ``command``, ``env`` and ``cwd``."""
     if pod.hosts is None:
         raise RuntimeError(f"pod {pod.name} has no network yet")
-    stem = workdir / "pods" / f"{pod.name}.{pod.generation}.{label}"
-    root = stem.with_name(stem.name + ".root")
+    stem = f"{pod.name}.{pod.generation}.{label}"
+    root = workdir / "pods" / f"{stem}.root"
     root.mkdir(parents=True, exist_ok=True)  # an empty mount point: the shim mounts the container's root on it
     return {
         "hostname": pod.name,
@@ -287,7 +287,7 @@ def container_spec(pod: Pod, label: str, workdir: Path, layers: list[dict], moun
         "resolv_conf": str(pod.hosts.with_name("resolv.conf")),
         "layers": layers,
         "mounts": mounts,
-        "pid_file": str(stem.with_name(stem.name + ".pid")),
+        "pid_file": str(workdir / "pods" / f"{stem}.pid"),
         **run,
     }
 
