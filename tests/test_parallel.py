@@ -191,7 +191,7 @@ def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
     from job.config import load_config
     from job.parallel import ddp as parallel
     from job.parallel.distributed import Runtime
-    from job.train.model import build_model
+    from job.tasks.image.model import build_model
 
     cfg = load_config(
         [

@@ -129,7 +129,7 @@ def test_training_changed_the_parameters(exact_runs: dict[str, Path]) -> None:
     state = load_final_state(exact_runs["ddp2"])
     torch.manual_seed(0)
     from job.config import ModelConfig
-    from job.train.model import build_model
+    from job.tasks.image.model import build_model
 
     init = build_model(ModelConfig(name="resnet18", norm="group"), 4).state_dict()
     assert max_abs_diff(init, state["model"]) > 1e-3

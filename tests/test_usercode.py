@@ -19,8 +19,8 @@ from job.config import DataConfig, ModelConfig, load_config
 from job.data import usersource
 from job.data.source import build_loaders
 from job.errors import BadInput, UserCodeError, WeightsError
-from job.train import weights
-from job.train.model import build_model, check_model
+from job.tasks.image import weights
+from job.tasks.image.model import build_model, check_model
 from job.usercode import is_import_path, resolve
 
 CPU = torch.device("cpu")

@@ -103,7 +103,7 @@ def _hub_cache(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """TORCH_HOME with resnet18's IMAGENET1K_V1 file in place (a random 1000-class state dict under torchvision's
     file name: what a download would have left there)."""
     from job.config import ModelConfig
-    from job.train.model import build_model
+    from job.tasks.image.model import build_model
 
     home = tmp_path / "torch"
     (home / "hub/checkpoints").mkdir(parents=True)

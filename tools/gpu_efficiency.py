@@ -5,7 +5,7 @@ every step, as with a real DataLoader; the job's own `data.source=synthetic` kee
 would hide it). Rows: fp32 (IEEE), fp32+tf32, bf16, bf16+channels_last, bf16+channels_last+compile, each
 with and without job.data.prefetch's side-stream copy; then the wrapper overhead on one GPU: no wrapper vs DDP
 vs nn.DataParallel (bf16+channels_last, prefetch on). Every model is built and wrapped by the job's own
-modules (job.train.model, job.parallel.ddp.wrap_model, job.train.optim).
+modules (job.tasks.image.model, job.parallel.ddp.wrap_model, job.train.optim).
 
     python tools/gpu_efficiency.py --out $OUT/efficiency_gpu.json [--batch 256 --steps 30 --warmup 8 --budget-s 420]
 
@@ -31,7 +31,7 @@ from job.data.loaders import to_device
 from job.data.prefetch import DevicePrefetcher
 from job.parallel import ddp as parallel
 from job.parallel.distributed import Runtime
-from job.train.model import build_model
+from job.tasks.image.model import build_model
 from job.train.optim import build_optimizer
 
 

@@ -83,18 +83,18 @@ def main(argv: list[str]) -> int:
     cfg = load_config(train_args, os.environ)
     env = detect_env(os.environ)
     metrics.setup_console(env.rank, env.world_size)
-    plan = job_run.preflight(cfg, env)
+    pre = job_run.preflight(cfg, env)
     rt = distributed.setup(env, cfg.dist)
     try:
         stop = StopRequest(cfg.run_dir)
-        job_run.start_run_dir(cfg, env, plan, stop, rt)
+        job_run.start_run_dir(cfg, env, pre.plan, stop, rt)
         with contextlib.ExitStack() as cleanup:
             if bare_first:
-                bare = bare_loop(cfg, plan, rt, bare_view)
-                run = job_run.build_run(cfg, env, plan, rt, stop, None, cleanup)
+                bare = bare_loop(cfg, pre.plan, rt, bare_view)
+                run = job_run.build_run(cfg, env, pre, rt, stop, cleanup)
             else:
-                run = job_run.build_run(cfg, env, plan, rt, stop, None, cleanup)
-                bare = bare_loop(cfg, plan, rt, bare_view)
+                run = job_run.build_run(cfg, env, pre, rt, stop, cleanup)
+                bare = bare_loop(cfg, pre.plan, rt, bare_view)
             blocks = alternate(run, bare, pairs, block)
         with open(f"{out}.rank{env.rank}", "w") as f:
             facts = {"rank": env.rank, "world_size": env.world_size, "job_steps": run.state.step}

@@ -16,6 +16,7 @@ from job.config.schema import (
     OptimConfig,
     RunConfig,
     SchedConfig,
+    TaskConfig,
     TrainConfig,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "OptimConfig",
     "RunConfig",
     "SchedConfig",
+    "TaskConfig",
     "TrainConfig",
     "config_to_dict",
     "dump_config",

@@ -32,6 +32,8 @@ _SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True
 
 BUILTIN_SOURCES = ("synthetic", "imagefolder", "webdataset")
 """The data.source values the job reads itself; any other value must be a package.module:callable import path."""
+BUILTIN_TASKS = ("image_classification", "causal_lm")
+"""The task.name values the job ships (job.tasks); any other value must be a package.module:callable import path."""
 
 
 class RunConfig(BaseModel):
@@ -51,6 +53,29 @@ class RunConfig(BaseModel):
         if not v or "/" in v or v in (".", ".."):
             raise ValueError(f"run.name={v!r} must be a plain directory name without '/'")
         return v
+
+
+class TaskConfig(BaseModel):
+    """The training problem: model, data, loss and metrics (contract: docs/tasks.md)."""
+
+    model_config = _SECTION
+    name: str = "image_classification"
+    """image_classification: the built-in image classifier, configured by the model and data sections; causal_lm:
+    a small GPT-style language model over a token file (task.options); package.module:callable: a user task, called
+    as callable(**task.options), that returns an object with build_model, dataset, loss and metrics."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the task (causal_lm: path, seq_len, n_layer, ...; a user task: its own); a mapping in
+    YAML, JSON on the command line and in JOB_TASK__OPTIONS, e.g. '{"seq_len": 64}'."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        if v in BUILTIN_TASKS or is_import_path(v):
+            return v
+        raise ValueError(
+            f"task.name={v!r} is neither one of {list(BUILTIN_TASKS)} nor a package.module:callable import path "
+            "(a user task, e.g. mypkg.tasks:Segmentation)"
+        )
 
 
 class DistConfig(BaseModel):
@@ -384,6 +409,8 @@ class JobConfig(BaseSettings):
     )
     run: RunConfig = Field(default_factory=RunConfig)
     """Run identity."""
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    """The training problem."""
     dist: DistConfig = Field(default_factory=DistConfig)
     """Distributed setup."""
     data: DataConfig = Field(default_factory=DataConfig)

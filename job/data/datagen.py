@@ -280,9 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed: same arguments give byte-identical files (default 0)")
     p.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=(*FORMATS, "text"),
         default="png",
-        help="png or jpeg ImageFolder, or webdataset (PNG shards) (default png)",
+        help="png or jpeg ImageFolder, webdataset (PNG shards), or text: a byte-level corpus of the Python standard "
+        "library's sources for the causal_lm task (OUT/train.bin, OUT/val.bin; job.data.corpus) (default png)",
+    )
+    p.add_argument(
+        "--max-bytes", type=int, default=1_000_000, help="training tokens (bytes) with --format text (default 1000000)"
     )
     p.add_argument(
         "--shard-size", type=int, default=256, help="samples per shard with --format webdataset (default 256)"
@@ -293,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
 def make_data_main(argv: list[str]) -> int:
     """Entry point of ``ddp-job make-data``; returns the exit code (0 ok, 2 bad input)."""
     a = build_parser().parse_args(argv)
+    if a.format == "text":
+        return _text_main(a.out, a.max_bytes)
     try:
         make_dataset(a.out, a.classes, a.per_class, a.size, a.seed, a.val_per_class, a.format, a.shard_size)
     except BadInput as e:
@@ -303,6 +309,18 @@ def make_data_main(argv: list[str]) -> int:
         f"make-data: {a.out}: {a.classes} classes, {a.classes * a.per_class} train and "
         f"{a.classes * n_val} val images of {a.size}x{a.size} ({a.format})"
     )
+    return 0
+
+
+def _text_main(out: Path, max_bytes: int) -> int:
+    from job.data import corpus
+
+    try:
+        meta = corpus.make_corpus(out, max_bytes)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"make-data: {out}: {corpus.describe(meta)}")
     return 0
 
 

@@ -114,9 +114,16 @@ def validate_imagefolder(cfg: DataConfig) -> DataLayout:
     return DataLayout(tuple(train_classes), tuple(train), tuple(val))
 
 
-def imagefolder_datasets(cfg: DataConfig, seed: int, device: torch.device, rank: int) -> Datasets:
-    layout = validate_imagefolder(cfg)
-    if _decodes_on_device(cfg, layout, device, rank):
+def imagefolder_datasets(
+    cfg: DataConfig, seed: int, device: torch.device, rank: int, layout: DataLayout, choice: device_decode.DecodeChoice
+) -> Datasets:
+    """The datasets of a validated ``layout`` (``validate_imagefolder``), decoded where ``choice`` says."""
+    if rank == 0:
+        where = "the workers (PIL)"
+        if choice.on_device:
+            where = f"{device.type} (torchcodec)"
+        log.info("data: decoding on %s: %s", where, choice.reason)
+    if choice.on_device:
         train_enc = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
         val_enc = EncodedFiles(layout.val, cfg.image_size, seed, random=False)
         return Datasets(train_enc, val_enc, layout.classes, collate_encoded, on_device=True, layout=layout)
@@ -131,13 +138,3 @@ def decode_choice(cfg: DataConfig, layout: object, cuda: bool) -> device_decode.
     if isinstance(layout, DataLayout):
         files = [path for path, _ in layout.train + layout.val]
     return device_decode.choose_decode(cfg, files, cuda, device_decode.has_torchcodec())
-
-
-def _decodes_on_device(cfg: DataConfig, layout: DataLayout, device: torch.device, rank: int) -> bool:
-    choice = decode_choice(cfg, layout, device.type == "cuda")
-    if rank == 0:
-        where = "the workers (PIL)"
-        if choice.on_device:
-            where = f"{device.type} (torchcodec)"
-        log.info("data: decoding on %s: %s", where, choice.reason)
-    return choice.on_device

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from torch.utils.data import TensorDataset
 
 from job.config import DataConfig
-from job.data.images import Batch
+from job.data.images import Batch, Datasets
 from job.data.loaders import Loaders, ValInfo, require_one_batch
 from job.data.sampler import ResumableSampler, ShardSampler
 
@@ -30,6 +31,26 @@ class TensorBatches:
             yield self.images[chunk], self.labels[chunk]
 
 
+def generate(cfg: DataConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Train then val uint8 images and labels, generated on the CPU from the seed (identical on every rank and
+    device type)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, cfg.image_size, cfg.image_size)
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
+        return images, torch.randint(0, cfg.num_classes, (n,), generator=g)
+
+    return *make(cfg.synthetic_train_size), *make(cfg.synthetic_val_size)
+
+
+def synthetic_datasets(cfg: DataConfig, seed: int) -> Datasets:
+    """The same images as map-style datasets of (uint8 image, label) items, on the CPU."""
+    train_x, train_y, val_x, val_y = generate(cfg, seed)
+    classes = tuple(f"class_{c:02d}" for c in range(cfg.num_classes))
+    return Datasets(TensorDataset(train_x, train_y), TensorDataset(val_x, val_y), classes)
+
+
 def synthetic_loaders(
     cfg: DataConfig,
     rank: int,
@@ -39,17 +60,8 @@ def synthetic_loaders(
     device: torch.device,
     grad_accum_steps: int,
 ) -> Loaders:
-    # Generated on the CPU from the seed (identical on every rank and device type), then moved once.
-    g = torch.Generator().manual_seed(seed)
-    shape = (3, cfg.image_size, cfg.image_size)
-
-    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        images = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
-        labels = torch.randint(0, cfg.num_classes, (n,), generator=g)
-        return images.to(device), labels.to(device)
-
-    train_x, train_y = make(cfg.synthetic_train_size)
-    val_x, val_y = make(cfg.synthetic_val_size)
+    """Batches gathered on ``device`` from the generated images, moved there once."""
+    train_x, train_y, val_x, val_y = (t.to(device) for t in generate(cfg, seed))
     n = cfg.synthetic_train_size
     require_one_batch(n, "data.synthetic_train_size", str(n), world_size, micro_batch_size, grad_accum_steps)
     sampler = ResumableSampler(cfg.synthetic_train_size, rank, world_size, micro_batch_size, seed, grad_accum_steps)

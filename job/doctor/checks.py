@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from job.cluster.env import DistEnv
-from job.config import DataConfig, JobConfig, ModelConfig
+from job.config import DataConfig, JobConfig
 from job.errors import BadInput
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
@@ -262,13 +262,9 @@ def check_shm(need: int, path: str = "/dev/shm") -> Check:
     return Check("shm", PASS, text, data=data)
 
 
-def checkpoint_bytes(cfg: JobConfig, build_model: Callable[[ModelConfig, int], Any]) -> int:
-    """Estimated size of one checkpoint: fp32 weights + buffers + optimizer state (SGD momentum 1x, AdamW 2x).
-    ``build_model`` builds on the meta device: shapes only, no memory, a few ms."""
-    import torch
-
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.data.num_classes)
+def checkpoint_bytes(cfg: JobConfig, model: Any) -> int:
+    """Estimated size of one checkpoint of ``model`` (its shapes; a meta model will do): fp32 weights + buffers +
+    optimizer state (SGD momentum 1x, AdamW 2x)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     states = 2 if cfg.optim.name == "adamw" else (1 if cfg.optim.momentum > 0 else 0)

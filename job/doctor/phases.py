@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from job.cluster.env import DistEnv, detect_env
-from job.config import DataConfig, JobConfig, ModelConfig, load_config
+from job.config import JobConfig, load_config
 from job.config.plan import make_plan
 from job.doctor import checks as dc
 from job.doctor.checks import FAIL, PASS, Check
@@ -44,10 +44,10 @@ class Probes:
     """What the doctor checks but does not build itself, handed in by its caller (train, the command line),
     so that preflight depends on neither the model code nor the data code."""
 
-    build_model: Callable[[ModelConfig, int], Any]
-    """The model of a model config and a class count (built on the meta device: the checkpoint's size)."""
-    describe_data: Callable[[DataConfig], str]
-    """The data, read as training will read it, in one line; raises BadInput naming what is wrong."""
+    build_model: Callable[[JobConfig], Any]
+    """The config's model (built on the meta device, or the one preflight built: the checkpoint's size)."""
+    describe_data: Callable[[JobConfig], str]
+    """The config's data, read as training will read it, in one line; raises BadInput naming what is wrong."""
 
 
 def topology_check(env: DistEnv) -> Check:
@@ -92,13 +92,13 @@ def local_checks(
     checks.append(dc.check_shm(dc.shm_need_bytes(cfg, micro, env.local_world_size)))
     if env.is_main:  # rank 0 writes checkpoints, TensorBoard and config.yaml
         try:
-            ckpt_bytes = dc.checkpoint_bytes(cfg, probes.build_model)
+            ckpt_bytes = dc.checkpoint_bytes(cfg, probes.build_model(cfg))
         except BadInput as e:
             checks.append(Check("config.model", FAIL, e.what, e.fix))
             ckpt_bytes = 0
         checks += dc.check_run_dir(cfg.run_dir, ckpt_bytes, cfg.ckpt.keep_last, create=full)
     if full and env.local_rank == 0:  # train's own preflight already validates the data
-        checks.append(dc.check_data(cfg, probes.describe_data))
+        checks.append(dc.check_data(cfg, lambda _data: probes.describe_data(cfg)))
     return checks, vers
 
 

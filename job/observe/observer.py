@@ -130,7 +130,9 @@ class Observer:
         global_batch: int,
         writer: Any,
         start_step: int,
+        flops_per_sample: float = 0.0,
     ) -> None:
+        """``flops_per_sample``: training FLOPs per item (the task's ``flops_per_item``; 0: no MFU)."""
         self.cfg, self.env, self.group, self.device, self.writer = cfg, env, control_group, device, writer
         self.every = cfg.observe.every or cfg.log.every
         self.global_batch = global_batch
@@ -142,7 +144,7 @@ class Observer:
         self._window = [0.0, 0.0, 0.0, 0, 0.0]  # step_s, busy_s, data_s, steps, cpu_s
         self._prof: Any = None
         self._prof_end = 0
-        self.flops = train_flops_per_sample(model, cfg.data.image_size, device)
+        self.flops = flops_per_sample
         self.peak_tflops = cfg.observe.peak_tflops or gpu_peak_tflops(device)
         progress = cfg.run_dir / "progress"
         progress.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,9 +137,12 @@ def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
     return default_hooks.allreduce_hook, None
 
 
-def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
+def wrap_model(
+    raw_model: nn.Module, cfg: JobConfig, rt: Any, settle: Callable[[nn.Module], torch.Tensor] | None = None
+) -> nn.Module:
     """The training wrapper around ``raw_model`` (already on ``rt.device``): DDP with the configured knobs and
-    comm hook, or the DataParallel baseline. Also applies the TF32 switch (a process-wide setting)."""
+    comm hook, or the DataParallel baseline. Also applies the TF32 switch (a process-wide setting). ``settle``:
+    a training pass for ``settle_buckets`` (default: an image classifier's, ``image_probe``)."""
     if rt.device.type == "cuda":
         apply_tf32(cfg.train.tf32)
     if cfg.train.strategy == "dp":
@@ -155,7 +159,9 @@ def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
     )
     # Before the hook, so PowerSGD's iteration count and the counter see real steps only (DDP takes a hook
     # between iterations).
-    settle_buckets(model, cfg.data.image_size, rt.device)
+    if settle is None:
+        settle = image_probe(cfg.data.image_size, rt.device)
+    settle_buckets(model, settle)
     hook, state = _hook(d)
     if d.comm_stats:
         counter = CommCounter()
@@ -166,7 +172,18 @@ def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any) -> nn.Module:
     return model
 
 
-def settle_buckets(model: DDP, image_size: int, device: torch.device) -> None:
+def image_probe(image_size: int, device: torch.device) -> Callable[[nn.Module], torch.Tensor]:
+    """A training pass of an image classifier for ``settle_buckets``: the sum of its logits on 2 zero images."""
+    images = torch.zeros(2, 3, image_size, image_size, device=device)  # 2: BatchNorm needs > 1 value per channel
+
+    def probe(model: nn.Module) -> torch.Tensor:
+        out: torch.Tensor = model(images).sum()
+        return out
+
+    return probe
+
+
+def settle_buckets(model: DDP, probe: Callable[[nn.Module], torch.Tensor]) -> None:
     """Let DDP rebuild its gradient buckets now, on throwaway passes that change no state, so that every real
     step of a fresh and of a resumed run all-reduces with the same, final bucket layout.
 
@@ -175,9 +192,10 @@ def settle_buckets(model: DDP, image_size: int, device: torch.device) -> None:
     A ring all-reduce (gloo, NCCL) sums an element over the ranks in an order set by the element's offset in
     its bucket, and from 3 ranks on float addition is not associative: a resumed run's first step, on the
     initial layout, differed in the last bits from the same step of an uninterrupted run on the rebuilt one.
-    The zero images run the training graph, so the gradient order, and the overlap of communication with the
-    backward pass, are those DDP would record on a real step.
-    Cost: 2 forward/backward passes (3 with static_graph) on 2 zero images at start-up, nothing per step; it
+    ``probe(model)`` runs the training graph (the task's loss on the preflight batch; zero images for a plain
+    classifier), so the gradient order, and the overlap of communication with the backward pass, are those DDP
+    would record on a real step.
+    Cost: 2 forward/backward passes (3 with static_graph) on 2 items at start-up, nothing per step; it
     also lets static_graph start under no_sync(), which fails on a fresh DDP. Rejected: find_unused_parameters
     (never rebuilds, but walks the graph and all-reduces a usage map every step); the reducer's
     _push_all_rebuilt_params (a rebuild in forward order: the first bucket is ready last, no overlap).
@@ -185,13 +203,13 @@ def settle_buckets(model: DDP, image_size: int, device: torch.device) -> None:
     raw = model.module
     was_training = raw.training
     buffers = [b.detach().clone() for b in raw.buffers()]  # BatchNorm running statistics and counters
-    images = torch.zeros(2, 3, image_size, image_size, device=device)  # 2: BatchNorm needs > 1 value per channel
+    device = next(raw.parameters()).device
     raw.train()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # e.g. dropout draws
         for _ in range(3):  # static_graph: 2 passes before the one whose forward rebuilds
             if model._has_rebuilt_buckets:  # DDP's own flag, set by the forward that rebuilt
                 break
-            model(images).sum().backward()
+            probe(model).backward()
     with torch.no_grad():
         for b, saved in zip(raw.buffers(), buffers):
             b.copy_(saved)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from job.config.schema import DebugConfig
@@ -18,18 +18,19 @@ from job.config.schema import DebugConfig
 log = logging.getLogger("job")
 
 
-class NanLossAt(nn.Module):
-    """The loss, made NaN at the given (1-based) optimizer steps: exercises the non-finite skip."""
+class NanLossAt:
+    """The task's loss, made NaN at the given (1-based) optimizer steps: exercises the non-finite skip."""
 
-    def __init__(self, criterion: nn.Module, steps: tuple[int, ...], state: Any) -> None:
-        super().__init__()
-        self.criterion, self.steps, self.state = criterion, frozenset(steps), state
+    def __init__(self, loss_fn: Callable[[nn.Module, Any], Any], steps: tuple[int, ...], state: Any) -> None:
+        self.loss_fn, self.steps, self.state = loss_fn, frozenset(steps), state
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = self.criterion(logits, labels)
-        if self.state.step + 1 in self.steps:
-            loss = loss * float("nan")
-        return loss
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        out = self.loss_fn(model, batch)
+        if self.state.step + 1 not in self.steps:
+            return out
+        if isinstance(out, tuple):
+            return (out[0] * float("nan"), *out[1:])
+        return out * float("nan")
 
 
 class Straggler:
@@ -50,7 +51,7 @@ def install(cfg: DebugConfig, rank: int, parts: Any, state: Any) -> None:
     """Install the aids that ``cfg`` switches on into ``parts`` (the run's ``Parts``)."""
     if cfg.nan_at_steps:
         log.warning("debug.nan_at_steps=%s: the loss is made NaN at these steps", list(cfg.nan_at_steps))
-        parts.criterion = NanLossAt(parts.criterion, cfg.nan_at_steps, state)
+        parts.task.loss_fn = NanLossAt(parts.task.loss_fn, cfg.nan_at_steps, state)
     if cfg.straggler_delay_s > 0 and cfg.straggler_rank == rank:
         log.warning("debug.straggler_delay_s=%s: this rank sleeps before its forward pass", cfg.straggler_delay_s)
         parts.raw_model.register_forward_pre_hook(Straggler(cfg, state))

@@ -1,74 +1,75 @@
-"""Exact validation over all ranks, and the evaluation component with its own cadence (``train.eval_every``)."""
+"""Exact validation over all ranks, and the evaluation component with its own cadence (``train.eval_every``).
+
+The task's ``metrics(model, batch)`` gives ``{name: (sum, count)}`` per batch. Each rank adds them up over its
+disjoint shard of the validation set, then one all-reduce adds every rank's sums and counts: the reported
+``sum / count`` is the value of the whole set, whatever the world size (means are never averaged).
+"""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from job.data.loaders import to_device
 from job.observe.metrics import NullWriter
 from job.train.parts import Parts
 
 
 @torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loader: Any,
-    device: torch.device,
-    num_classes: int,
-    channels_last: bool,
-    autocast: contextlib.AbstractContextManager[Any],
-) -> dict[str, float]:
-    """Exact over all ranks: each rank holds a disjoint shard; sums and counts are all-reduced, never means.
+def evaluate(model: nn.Module, parts: Parts) -> dict[str, float]:
+    """``val/<name>`` = sum / count over every rank for each metric, ``val/count`` = the items evaluated, and
+    the task's derived values (``summarize``). Every rank returns the same.
 
     Runs the unwrapped model: shards may differ in length, and DDP's forward would broadcast buffers, a
     collective every rank must join the same number of times.
     """
     was_training = model.training
     model.eval()
-    k = min(5, num_classes)
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss_sum, top1, topk, count
-    criterion = nn.CrossEntropyLoss(reduction="sum")
-    for batch in loader:
-        images, labels = to_device(batch, device, channels_last)
-        with autocast:
-            logits = model(images)
-        logits = logits.float()
-        topk = logits.topk(k, dim=1).indices
-        totals[0] += criterion(logits, labels).double()
-        totals[1] += (topk[:, 0] == labels).sum()
-        totals[2] += (topk == labels[:, None]).any(dim=1).sum()
-        totals[3] += labels.numel()
+    names = parts.metric_names
+    totals = torch.zeros(2 * len(names) + 1, dtype=torch.float64, device=parts.device)
+    info = parts.loaders.val_info
+    totals[-1] = info.stop - info.start  # this rank's items: its shard of the sampler
+    for batch in parts.loaders.val:
+        batch = parts.to_device(batch)
+        with parts.autocast:
+            values = parts.task.metrics(model, batch)
+        _add(totals, values, names, parts)
     dist.all_reduce(totals)
-    loss_sum, top1, topk_hits, count = totals.tolist()
+    sums = totals.tolist()
     model.train(was_training)
-    count = max(count, 1.0)
-    return {"val/loss": loss_sum / count, "val/top1": top1 / count, "val/top5": topk_hits / count, "val/count": count}
+    out = {f"val/{name}": sums[2 * i] / max(sums[2 * i + 1], 1e-12) for i, name in enumerate(names)}
+    out["val/count"] = sums[-1]
+    out.update(parts.task.summarize(out))
+    return out
+
+
+def _add(totals: torch.Tensor, values: dict[str, tuple[Any, Any]], names: tuple[str, ...], parts: Parts) -> None:
+    if tuple(values) != names:
+        raise parts.task.error(
+            f"metrics(model, batch) returned the metrics {list(values)} on a validation batch, but {list(names)} "
+            "on the preflight batch.",
+            "return the same metric names for every batch: every rank sums the same ones.",
+        )
+    for i, name in enumerate(names):
+        total, count = values[name]
+        totals[2 * i] += total
+        totals[2 * i + 1] += count
 
 
 class Evaluator:
     """Evaluates the model (and its EMA) every ``every`` steps during training, and once at the end."""
 
-    def __init__(self, parts: Parts, num_classes: int, every: int, total_steps: int, writer: NullWriter) -> None:
-        self.parts, self.num_classes, self.every, self.total_steps, self.writer = (
-            parts,
-            num_classes,
-            every,
-            total_steps,
-            writer,
-        )
+    def __init__(self, parts: Parts, every: int, total_steps: int, writer: NullWriter) -> None:
+        self.parts, self.every, self.total_steps, self.writer = parts, every, total_steps, writer
 
     def results(self) -> dict[str, float]:
         """Validation metrics of the model, and of the EMA as ``ema/...`` when it is enabled (every rank)."""
         p = self.parts
-        out = evaluate(p.raw_model, p.loaders.val, p.device, self.num_classes, p.channels_last, p.autocast)
+        out = evaluate(p.raw_model, p)
         if p.ema is not None:
-            ema = evaluate(p.ema.module, p.loaders.val, p.device, self.num_classes, p.channels_last, p.autocast)
-            out.update({f"ema/{k}": v for k, v in ema.items()})
+            out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p).items()})
         return out
 
     def after_step(self, step: int) -> None:

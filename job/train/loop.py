@@ -92,8 +92,9 @@ def finish(run: Run) -> int:
     """The end of a completed run: final evaluation, the last checkpoint, the FINAL line."""
     step, is_main = run.state.step, run.env.is_main
     results = run.evaluator.results()
-    if is_main and "ema/val/top1" in results:
-        log.info("EMA val_top1=%.4f val_loss=%.4f", results["ema/val/top1"], results["ema/val/loss"])
+    if is_main and run.parts.ema is not None:  # the headline metric (the task's first) and the loss
+        headline = dict.fromkeys((run.parts.metric_names[0], "loss"))
+        log.info("EMA %s", _values(results, "ema/val/", tuple(headline)))
     run.writer.scalars(step, results)
     comm = ddp.comm_summary(run.parts.model, run.plan.grad_accum_steps)
     if comm and is_main:
@@ -103,9 +104,17 @@ def finish(run: Run) -> int:
     if is_main:
         run_dir = run.cfg.run_dir
         print(
-            f"FINAL step={step} val_top1={results['val/top1']:.4f} val_top5={results['val/top5']:.4f} "
-            f"val_loss={results['val/loss']:.4f} val_count={int(results['val/count'])} run_dir={run_dir} "
+            f"FINAL step={step} {_values(results, 'val/')} val_count={int(results['val/count'])} run_dir={run_dir} "
             f"tensorboard={run_dir / 'tb'}",
             flush=True,
         )
     return EXIT_OK
+
+
+def _values(results: dict[str, float], prefix: str, only: tuple[str, ...] = ()) -> str:
+    """``val_<name>=<value>`` for each result under ``prefix`` (the task's metrics in its order, then derived
+    ones; ``only`` these names where given), the count left to the caller."""
+    names = [k for k in results if k.startswith(prefix) and k != prefix + "count"]
+    if only:
+        names = [prefix + n for n in only if prefix + n in results]
+    return " ".join(f"val_{k[len(prefix) :].replace('/', '_')}={results[k]:.4f}" for k in names)

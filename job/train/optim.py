@@ -72,8 +72,27 @@ def optimizer_spec(cfg: OptimConfig, lr: float, device: torch.device) -> tuple[t
     raise ValueError(f"optim.name={cfg.name!r}")  # unreachable: the config's Literal forbids it
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, lr: float, device: torch.device) -> Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def scaled_groups(groups: list[dict[str, Any]], lr: float, weight_decay: float) -> list[dict[str, Any]]:
+    """A task's parameter groups for the optimizer: ``lr`` x each group's ``lr_scale`` (so LR scaling and the
+    schedule apply to every group alike), ``weight_decay`` where the group sets none."""
+    out = []
+    for group in groups:
+        g = {k: v for k, v in group.items() if k != "lr_scale"}
+        g["lr"] = lr * float(group.get("lr_scale", 1.0))
+        g.setdefault("weight_decay", weight_decay)
+        out.append(g)
+    return out
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, lr: float, device: torch.device, groups: list[dict[str, Any]] | None = None
+) -> Optimizer:
+    """The configured optimizer over ``groups`` (a task's, job.tasks.preflight), else the job's decay/no-decay
+    groups of ``model``."""
+    if groups is None:
+        groups = param_groups(model, cfg.weight_decay)
+    else:
+        groups = scaled_groups(groups, lr, cfg.weight_decay)
     cls, kwargs = optimizer_spec(cfg, lr, device)
     if cfg.zero:
         from job.parallel.ddp import zero_optimizer
@@ -89,7 +108,7 @@ def build_scheduler(optimizer: Optimizer, cfg: SchedConfig, total_steps: int) ->
     ``step_size`` counts from the end of the warmup. One-cycle brings its own warmup (``pct_start``).
     """
     if cfg.name == "onecycle":
-        peak = optimizer.param_groups[0]["lr"]
+        peak = [g["lr"] for g in optimizer.param_groups]  # per group: a task's lr_scale holds through the cycle
         # cycle_momentum=False: keep momentum/betas fixed so every optimizer (timm's too) behaves the same.
         return OneCycleLR(
             optimizer,

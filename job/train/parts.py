@@ -1,10 +1,11 @@
 """The parts of a training run, built in one place: loaders, model (raw, wrapped, compiled), optimizer,
-schedule, gradient scaler, EMA and loss. ``build_parts`` is the whole wiring; nothing here trains.
+schedule, gradient scaler, EMA and the task. ``build_parts`` is the whole wiring; nothing here trains.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -16,14 +17,15 @@ from torch.optim.lr_scheduler import LRScheduler
 from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.config.plan import Plan
+from job.data.items import task_loaders
 from job.data.loaders import Loaders
 from job.data.prefetch import wrap_loaders
-from job.data.source import build_loaders
 from job.parallel import ddp, distributed
+from job.tasks.contract import Bound
+from job.tasks.load import load_task
+from job.tasks.preflight import Checked, check_task, transfer
 from job.train.ema import Ema, build_ema
-from job.train.model import build_model
 from job.train.optim import build_optimizer, build_scheduler
-from job.train.weights import load_weights
 
 
 @dataclass
@@ -40,32 +42,45 @@ class Parts:
     scheduler: LRScheduler
     scaler: torch.amp.GradScaler
     ema: Ema | None
-    criterion: nn.Module
+    task: Bound
+    """The training problem: loss and metrics (job.tasks.contract)."""
+    metric_names: tuple[str, ...]
     autocast: contextlib.AbstractContextManager[Any]
-    channels_last: bool
+
+    def to_device(self, batch: Any) -> Any:
+        """A batch as the task's loss and metrics take it, on the training device."""
+        return transfer(self.task, batch, self.device)
 
 
 def build_parts(
-    cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, initial_weights: bool = True
+    cfg: JobConfig,
+    env: DistEnv,
+    plan: Plan,
+    rt: distributed.Runtime,
+    task: Bound | None = None,
+    checked: Checked | None = None,
+    initial_weights: bool = True,
 ) -> Parts:
-    """Every part, seeded the same way on every rank (DDP also broadcasts rank 0's weights). ``initial_weights``:
-    load model.weights (a resumed run does not: its checkpoint holds the weights)."""
+    """Every part, from the model preflight built (identical on every rank; DDP also broadcasts rank 0's
+    weights). ``initial_weights``: load the weights preflight left to after the process group (a resumed run does
+    not: its checkpoint holds the weights). Without ``task`` and ``checked`` (a test, a tool), the config's task
+    is loaded and checked here."""
+    if task is None or checked is None:
+        task = load_task(cfg)
+        checked = check_task(task, cfg, env, plan, rt.device.type == "cuda", load_weights=initial_weights)
     device = rt.device
     distributed.seed_all(cfg.run.seed)
-    loaders = build_loaders(
-        cfg.data, env.rank, env.world_size, plan.micro_batch_size, cfg.run.seed, device, plan.grad_accum_steps
-    )
-    loaders = wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last)
-    torch.manual_seed(cfg.run.seed)  # identical init everywhere
-    raw_model = build_model(cfg.model, cfg.data.num_classes)
-    if initial_weights:
-        load_weights(cfg.model, raw_model, cfg.data.num_classes, env.is_main)
+    loaders = _loaders(cfg, env, plan, device, task, checked)
+    raw_model = checked.model
+    if initial_weights and task.has("load_pending_weights"):
+        task.task.load_pending_weights(raw_model, env)
     raw_model = raw_model.to(device)
-    model = ddp.wrap_model(raw_model, cfg, rt)  # DDP with its knobs/comm hook, or the dp baseline
+    settle = _loss_probe(task, transfer(task, checked.batch, device))
+    model = ddp.wrap_model(raw_model, cfg, rt, settle)  # DDP with its knobs/comm hook, or the dp baseline
     train_model = model
     if cfg.model.compile:
         train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
-    optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device)
+    optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device, checked.param_groups)
     return Parts(
         device=device,
         loaders=loaders,
@@ -76,10 +91,30 @@ def build_parts(
         scheduler=build_scheduler(optimizer, cfg.sched, plan.total_steps),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
         ema=build_ema(raw_model, cfg.ema),
-        criterion=nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing),
+        task=task,
+        metric_names=checked.metric_names,
         autocast=autocast(cfg.train.precision, device),
-        channels_last=cfg.model.channels_last,
     )
+
+
+def _loaders(cfg: JobConfig, env: DistEnv, plan: Plan, device: torch.device, task: Bound, checked: Checked) -> Loaders:
+    """The task's own loaders (the image task: its sources' pipelines, prefetched to the GPU), else the job's
+    over the datasets preflight opened."""
+    micro, accum, seed = plan.micro_batch_size, plan.grad_accum_steps, cfg.run.seed
+    if task.has("loaders"):
+        loaders = task.task.loaders(env.rank, env.world_size, micro, seed, device, accum)
+        return cast(Loaders, wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last))
+    sets = checked.datasets
+    return task_loaders(cfg.data, sets, task.collate, task.error, env.rank, env.world_size, micro, seed, device, accum)
+
+
+def _loss_probe(task: Bound, batch: Any) -> Callable[[nn.Module], torch.Tensor]:
+    """The task's loss on the preflight batch: DDP's start-up passes run the real training graph."""
+
+    def probe(model: nn.Module) -> torch.Tensor:
+        return task.loss(model, batch)[0]
+
+    return probe
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -27,53 +27,59 @@ from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, S
 from job.cluster.env import DistEnv, detect_env
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
-from job.data.imagefolder import decode_choice
-from job.data.source import check_train_size, describe_data, validate_data
-from job.data.usersource import check_user_data
 from job.doctor import phases as doctor
 from job.errors import EXIT_PREEMPTED, BadInput
 from job.observe import metrics
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
 from job.parallel import distributed
+from job.tasks.contract import Bound
+from job.tasks.load import load_task
+from job.tasks.preflight import Checked, check_task
 from job.train import debug
 from job.train.evaluate import Evaluator
 from job.train.loop import Run, train_loop
-from job.train.model import build_model, check_model, validate_model
 from job.train.parts import Parts, build_parts
 from job.train.preempt import StopRequest
 from job.train.step import TrainState
-from job.train.weights import check_weights
 
 log = logging.getLogger("job")
 
 
-def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
+@dataclass(frozen=True)
+class Preflight:
+    """What preflight computed, once, for the run: nothing here is computed again."""
+
+    plan: Plan
+    task: Bound
+    checked: Checked
+    found: ckpt.Found | None
+    """The checkpoint to resume from (None: a fresh run)."""
+
+
+def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
     """Every check that needs no process group, device or write: bad input fails here with exit 2, before
     the doctor's quick checks (which write doctor.json) and before run() writes config.yaml."""
+    cuda = torch.cuda.is_available()
     plan = make_plan(cfg, env.world_size)
-    parallel.validate(cfg, env.world_size, torch.cuda.is_available())
-    validate_model(cfg.model)
-    if cfg.model.sync_bn and not torch.cuda.is_available():
-        raise BadInput(
-            "model.sync_bn=true needs CUDA (SyncBatchNorm has no CPU kernel).",
-            "--model.sync-bn false, or --model.norm group.",
-            setting="model.sync_bn",
-            value=True,
-        )
-    if cfg.train.precision == "fp16" and not torch.cuda.is_available():
+    parallel.validate(cfg, env.world_size, cuda)
+    if cfg.train.precision == "fp16" and not cuda:
         raise BadInput(
             "train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported).",
             "use bf16 or fp32 on CPU.",
             setting="train.precision",
             value="fp16",
         )
-    layout = validate_data(cfg.data)
-    train_size = check_user_data(cfg.data)  # a user dataset's first items; None for the built-in sources
-    check_train_size(
-        cfg.data, layout, env.world_size, plan.micro_batch_size, plan.grad_accum_steps, train_size=train_size
-    )
-    decode_choice(cfg.data, layout, torch.cuda.is_available())
+    _check_run_dir(cfg)
+    found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
+    if found is not None and cfg.model.weights and env.is_main:
+        log.info("resuming: model.weights=%s is not loaded (the checkpoint holds the weights)", cfg.model.weights)
+    task = load_task(cfg)
+    checked = check_task(task, cfg, env, plan, cuda, load_weights=found is None)
+    return Preflight(plan, task, checked, found)
+
+
+def _check_run_dir(cfg: JobConfig) -> None:
     run_dir = cfg.run_dir
     existing = next((p for p in [run_dir, *run_dir.parents] if p.exists()), None)
     if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
@@ -83,23 +89,26 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Plan:
             setting="run.output_dir",
             value=cfg.run.output_dir,
         )
-    return plan
 
 
-def check_start(cfg: JobConfig, env: DistEnv, resuming: bool) -> None:
-    """The model (a user model's output shape included) and, unless resuming, model.weights: built and read before
-    any process group. Local rank 0 fetches torchvision weights into the node's cache; the others read it later."""
-    model = check_model(cfg.model, cfg.data.num_classes, cfg.data.image_size)
-    if resuming:
-        if cfg.model.weights and env.is_main:
-            log.info("resuming: model.weights=%s is not loaded (the checkpoint holds the weights)", cfg.model.weights)
-        return
-    check_weights(cfg.model, model, cfg.data.num_classes, fetch=env.local_rank == 0)
+def preflight_probes(pre: Preflight | None = None) -> doctor.Probes:
+    """What the doctor checks of this job's model and data, handed to it (the doctor imports neither): what
+    ``pre`` computed, else (``ddp-job doctor``) the config's task built on the meta device."""
+    if pre is not None:
+        checked = pre.checked
+        return doctor.Probes(build_model=lambda _cfg: checked.model, describe_data=lambda _cfg: checked.data)
+    return doctor.Probes(build_model=_meta_model, describe_data=_describe_data)
 
 
-def preflight_probes() -> doctor.Probes:
-    """What the doctor checks of this job's model and data, handed to it (the doctor imports neither)."""
-    return doctor.Probes(build_model=build_model, describe_data=describe_data)
+def _meta_model(cfg: JobConfig) -> Any:
+    task = load_task(cfg)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return task.build_model()
+
+
+def _describe_data(cfg: JobConfig) -> str:
+    env = detect_env({})
+    return check_task(load_task(cfg), cfg, env, make_plan(cfg, 1), torch.cuda.is_available()).data
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
@@ -109,12 +118,10 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
     # --- environment / rendezvous ---
     env = detect_env(environ)
     metrics.setup_console(env.rank, env.world_size)
-    plan = preflight(cfg, env)
-    found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
-    check_start(cfg, env, resuming=found is not None)
+    pre = preflight(cfg, env)
     quick = None
     if cfg.doctor.enabled:  # the doctor's quick checks, around the process group created here
-        quick = doctor.quick_local(cfg, env, environ, preflight_probes())
+        quick = doctor.quick_local(cfg, env, environ, preflight_probes(pre))
     rt = distributed.setup(env, cfg.dist)
     try:
         if quick is not None:
@@ -123,36 +130,36 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
         if rt.device.type == "cpu" and cfg.dist.backend == "auto" and env.is_main:
             log.info("no GPU visible: training on CPU with gloo")
         with observe.explain_timeouts(cfg, env):  # a collective timeout names the stalled rank
-            return run(cfg, env, plan, rt, found)
+            return run(cfg, env, pre, rt)
     finally:
         distributed.teardown()
 
 
-def run(cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, found: ckpt.Found | None = None) -> int:
+def run(cfg: JobConfig, env: DistEnv, pre: Preflight, rt: distributed.Runtime) -> int:
     """Build the run, restore it, train. Cleanup (signal handlers, writers, an in-flight save) runs on every
     exit path, exceptions included."""
     stop = StopRequest(cfg.run_dir)
     if _drained_after_restart(stop, rt):
         return EXIT_PREEMPTED
-    start_run_dir(cfg, env, plan, stop, rt)
+    start_run_dir(cfg, env, pre.plan, stop, rt)
     with contextlib.ExitStack() as cleanup:
-        return train_loop(build_run(cfg, env, plan, rt, stop, found, cleanup))
+        return train_loop(build_run(cfg, env, pre, rt, stop, cleanup))
 
 
 def build_run(
     cfg: JobConfig,
     env: DistEnv,
-    plan: Plan,
+    pre: Preflight,
     rt: distributed.Runtime,
     stop: StopRequest,
-    found: ckpt.Found | None,
     cleanup: contextlib.ExitStack,
 ) -> Run:
-    """Every part of the loop, restored from ``found``; what needs closing is registered on ``cleanup``."""
+    """Every part of the loop, restored from ``pre.found``; what needs closing is registered on ``cleanup``."""
+    plan, found = pre.plan, pre.found
     stop.install(cfg.train.stop_signals)
     cleanup.callback(stop.restore)
     stop.where = "start-up (before the first step)"
-    parts = build_parts(cfg, env, plan, rt, initial_weights=found is None)
+    parts = build_parts(cfg, env, plan, rt, pre.task, pre.checked, initial_weights=found is None)
     state = TrainState()
     debug.install(cfg.debug, env.rank, parts, state)
     checkpointer = _checkpointer(cfg, env, plan, rt, parts, state)
@@ -161,13 +168,20 @@ def build_run(
     agree_on_checkpoint(found, rt.control_group)
     if found is not None:
         checkpointer.restore(found)
-    del found
     writer = cleanup.enter_context(
         contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir))
     )
     writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
     observer = observe.Observer(
-        cfg, env, rt.control_group, parts.raw_model, parts.device, plan.global_batch_size, writer, state.step
+        cfg,
+        env,
+        rt.control_group,
+        parts.raw_model,
+        parts.device,
+        plan.global_batch_size,
+        writer,
+        state.step,
+        parts.task.flops_per_item(),
     )
     cleanup.callback(observer.close)
     progress = _progress(cfg, env, state.step, plan.total_steps)
@@ -176,7 +190,7 @@ def build_run(
     train_log = metrics.TrainLog(
         cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer, observer, progress
     )
-    evaluator = Evaluator(parts, cfg.data.num_classes, cfg.train.eval_every, plan.total_steps, writer)
+    evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer)
     batches = parts.loaders.batches(state)
     vote = distributed.StepFlagVote(rt)
     return Run(cfg, env, plan, rt, parts, state, batches, stop, checkpointer, evaluator, train_log, writer, vote)

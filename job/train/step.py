@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from job.config import TrainConfig
 from job.config.plan import Plan
-from job.data.loaders import to_device
 from job.errors import NonFiniteError
 from job.train.parts import Parts
 
@@ -46,6 +45,8 @@ class StepOutput:
     """Whether loss and gradient norm were finite (identical on every rank)."""
     data_wait_s: float
     """Seconds this rank waited for its micro-batches."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The task's extra values of the step (``loss`` returned ``(loss, {name: value})``), averaged like the loss."""
 
 
 class Where(Protocol):
@@ -71,17 +72,20 @@ def train_step(
     step_loss = torch.zeros((), device=parts.device)
     data_wait = 0.0
     last = plan.grad_accum_steps - 1
+    extras: dict[str, torch.Tensor] = {}
     for micro in range(plan.grad_accum_steps):
         where.where = f"step {state.step + 1} micro-batch {micro + 1}/{plan.grad_accum_steps}"
         t0 = time.perf_counter()
-        images, labels = to_device(next(batches), parts.device, parts.channels_last)
+        batch = parts.to_device(next(batches))
         data_wait += time.perf_counter() - t0
         # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
         with _sync_context(parts.model, sync=micro == last):
             with parts.autocast:
-                loss = parts.criterion(parts.train_model(images), labels) / plan.grad_accum_steps
+                loss, values = parts.task.loss(parts.train_model, batch)
+                loss = loss / plan.grad_accum_steps
             parts.scaler.scale(loss).backward()
         step_loss += loss.detach()
+        _accumulate(extras, values, plan.grad_accum_steps)
     grad_norm = _unscale_and_norm(parts, cfg.grad_clip_norm)
     # One host sync per step: every rank holds the same all-reduced gradients, so all decide alike.
     finite = bool(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
@@ -91,7 +95,17 @@ def train_step(
     where.where = f"the bookkeeping after step {state.step}"
     if parts.ema is not None:
         parts.ema.update(parts.raw_model, state.step)
-    return StepOutput(step_loss, grad_norm, finite, data_wait)
+    return StepOutput(step_loss, grad_norm, finite, data_wait, extras)
+
+
+def _accumulate(extras: dict[str, torch.Tensor], values: dict[str, torch.Tensor], grad_accum_steps: int) -> None:
+    """The task's extra loss values, averaged over the step's micro-batches like the loss (on the device)."""
+    for name, value in values.items():
+        v = value.detach().float() / grad_accum_steps
+        if name in extras:
+            extras[name] += v
+        else:
+            extras[name] = v
 
 
 def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:

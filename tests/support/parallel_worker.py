@@ -23,7 +23,7 @@ from job.data.loaders import to_device
 from job.data.source import build_loaders
 from job.parallel import ddp as parallel
 from job.parallel.distributed import Runtime
-from job.train.model import build_model
+from job.tasks.image.model import build_model
 from job.train.optim import build_optimizer
 
 

@@ -16,7 +16,7 @@ from job.config import ModelConfig
 from job.errors import BadInput, UserCodeError
 
 RESERVED_OPTIONS = ("num_classes", "weights")
-"""Keywords the job passes itself (model.weights is loaded by the job, job.train.weights)."""
+"""Keywords the job passes itself (model.weights is loaded by the job, job.tasks.image.weights)."""
 PROBE_BATCH = 2  # forward-pass check of a user model: two samples (BatchNorm in train mode needs more than one)
 
 
@@ -80,7 +80,7 @@ def _torchvision_only(cfg: ModelConfig, field: str, is_set: bool) -> None:
 
 
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
-    """A randomly initialised classifier (weights are loaded by job.train.weights, never here).
+    """A randomly initialised classifier (weights are loaded by job.tasks.image.weights, never here).
 
     Raises:
         BadInput: see ``validate_model``; UserCodeError: the user callable failed or returned no module.
@@ -149,19 +149,31 @@ def _probe(cfg: ModelConfig, model: nn.Module, num_classes: int, image_size: int
             return model(torch.zeros(shape, device="meta"))
     except Exception:  # e.g. .item() or a tensor created on the CPU inside forward: check on the CPU instead
         pass
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        cpu_model = build_model(cfg, num_classes)
-        try:
-            return cpu_model(torch.zeros(shape))
-        except Exception as e:
-            raise UserCodeError(
-                f"model.name={cfg.name!r}: the forward pass of a {' x '.join(map(str, shape))} float batch raised "
-                f"{type(e).__name__}: {str(e).strip()[:300]}",
-                "make the model take B x 3 x data.image_size x data.image_size images (JOB_TRACEBACK=1 prints the "
-                "traceback).",
-                setting="model.name",
-                value=cfg.name,
-            ) from e
+    with torch.random.fork_rng(devices=[]):
+        return _cpu_forward(cfg, build_model(cfg, num_classes), image_size)
+
+
+def _cpu_forward(cfg: ModelConfig, model: nn.Module, image_size: int) -> object:
+    shape = (PROBE_BATCH, 3, image_size, image_size)
+    try:
+        with torch.no_grad():
+            return model(torch.zeros(shape))
+    except Exception as e:
+        raise UserCodeError(
+            f"model.name={cfg.name!r}: the forward pass of a {' x '.join(map(str, shape))} float batch raised "
+            f"{type(e).__name__}: {str(e).strip()[:300]}",
+            "make the model take B x 3 x data.image_size x data.image_size images (JOB_TRACEBACK=1 prints the "
+            "traceback).",
+            setting="model.name",
+            value=cfg.name,
+        ) from e
+
+
+def check_built(cfg: ModelConfig, model: nn.Module, num_classes: int, image_size: int) -> None:
+    """Preflight of the model built once on the CPU: a user model's output for a probe batch must be B x
+    num_classes logits (the caller keeps the model's buffers and RNG as they were)."""
+    if usercode.is_import_path(cfg.name):
+        _check_output(cfg, _cpu_forward(cfg, model, image_size), num_classes, image_size)
 
 
 def _check_output(cfg: ModelConfig, out: object, num_classes: int, image_size: int) -> None:

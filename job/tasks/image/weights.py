@@ -193,15 +193,19 @@ def fit(cfg: ModelConfig, model: nn.Module, saved: Mapping[str, torch.Tensor], n
 
 
 def check_weights(cfg: ModelConfig, model: nn.Module, num_classes: int, fetch: bool) -> None:
-    """Preflight: the weights load and fit ``model`` (built on the meta device by job.train.model.check_model)."""
+    """Preflight: the weights load and fit ``model`` (built on the meta device by job.tasks.image.model.check_model)."""
     saved = read_weights(cfg, fetch)
     if saved is not None:
         fit(cfg, model, saved, num_classes)
 
 
-def load_weights(cfg: ModelConfig, model: nn.Module, num_classes: int, is_main: bool) -> None:
-    """Copy ``model.weights`` into ``model`` (before DDP); a head for another number of classes stays as built."""
-    saved = read_weights(cfg)
+def load_weights(
+    cfg: ModelConfig, model: nn.Module, num_classes: int, is_main: bool, saved: StateDict | None = None
+) -> None:
+    """Copy ``model.weights`` (``saved``: already read) into ``model`` (before DDP); a head for another number of
+    classes stays as built."""
+    if saved is None:
+        saved = read_weights(cfg)
     if saved is None:
         return
     head = fit(cfg, model, saved, num_classes)

@@ -1,0 +1,188 @@
+"""A task checked before any process group or write, computed once and handed on (``Checked``).
+
+In order: the task's own preparation (the image task validates its data source), the model built once on the
+CPU from ``run.seed`` (the one the run trains, so it is never built twice), both datasets opened and checked
+to be map-style and non-empty, one collated batch of the first training items, ``loss`` on it (a finite
+scalar) and ``metrics`` on it (``(sum, count)`` pairs, whose names every rank then agrees on). The model's
+buffers (BatchNorm statistics) and every RNG are left as they were, so the checks change no result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from job.cluster.env import DistEnv
+from job.config import JobConfig
+from job.config.plan import Plan
+from job.data.items import Collate, SeededItems, check_dataset, move
+from job.data.loaders import require_one_batch
+from job.errors import JobError
+from job.tasks.contract import SPLITS, Bound, describe
+
+PROBE_ITEMS = 2
+"""Items in the preflight batch (BatchNorm in train mode needs more than one)."""
+
+
+@dataclass
+class Checked:
+    """What preflight found, for the run to use: nothing here is computed again."""
+
+    model: nn.Module
+    """Built on the CPU from run.seed, with initial weights where the task loads them."""
+    metric_names: tuple[str, ...]
+    """The names ``metrics`` returns, in order: every rank sums the same ones."""
+    datasets: dict[str, Any]
+    """A task's opened datasets by split (empty for a task with its own loaders)."""
+    data: str
+    """One line on the data, for the doctor."""
+    batch: Any = None
+    """The preflight batch (CPU): DDP's start-up passes run the task's loss on it (job.parallel.ddp)."""
+    param_groups: list[dict[str, Any]] | None = None
+    """The task's parameter groups of ``model`` (``lr_scale`` kept for the optimizer), None for the job's own."""
+
+
+def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool, load_weights: bool = True) -> Checked:
+    """``load_weights``: load the task's initial weights (a resumed run restores its checkpoint instead).
+
+    Raises:
+        UserCodeError / BadInput (exit 2) naming the setting, the value and the fix.
+    """
+    own = task.task
+    if task.has("prepare"):
+        own.prepare(env, plan, cuda)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)  # identical init on every rank
+        model = task.build_model()
+    if load_weights and task.has("initial_weights"):
+        own.initial_weights(model, env)
+    datasets: dict[str, Any] = {}
+    if not task.has("loaders"):
+        datasets = {split: check_dataset(task.dataset(split), split, task.error) for split in SPLITS}
+        n = len(datasets["train"])
+        require_one_batch(n, "task.name", task.name, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
+    batch = _probe_batch(task, cfg, datasets)
+    with _unchanged(model):
+        if task.has("check_built"):
+            own.check_built(model)
+        _check_loss(task, model, batch)
+        names = _check_metrics(task, model, batch)
+    groups = _param_groups(task, model)
+    return Checked(model, names, datasets, _describe(task, datasets), batch, groups)
+
+
+def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> Any:
+    """One collated batch of the first training items (or the task's ``example_batch``), on the CPU."""
+    cpu = torch.device("cpu")
+    if task.has("example_batch"):
+        batch = task.task.example_batch(PROBE_ITEMS)
+    else:
+        train = SeededItems(datasets["train"], "train", cfg.run.seed, task.error)
+        items = [train[(0, i)] for i in range(min(PROBE_ITEMS, len(train)))]
+        batch = Collate(task.collate, task.error)(items)
+    return transfer(task, batch, cpu)
+
+
+def transfer(task: Bound, batch: Any, device: torch.device) -> Any:
+    """A batch copied to ``device`` as the task wants it (its own ``transfer``, else every tensor moved)."""
+    if task.has("transfer"):
+        return task.task.transfer(batch, device)
+    return move(batch, device)
+
+
+def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:
+    model.train()
+    with torch.no_grad():
+        try:
+            loss, _ = task.loss(model, batch)
+        except Exception as e:
+            if isinstance(e, JobError):  # already one of the job's errors, naming its setting
+                raise
+            raise task.error(
+                f"loss(model, batch) on the preflight batch of {PROBE_ITEMS} training items raised "
+                f"{type(e).__name__}: {str(e).strip()[:300]}",
+                "make loss(model, batch) run on a collated batch (JOB_TRACEBACK=1 prints the traceback).",
+            ) from e
+    if not bool(torch.isfinite(loss)):
+        raise task.error(
+            f"loss(model, batch) is {float(loss)} on the preflight batch of {PROBE_ITEMS} training items, "
+            "before any update.",
+            "return a finite loss for the untrained model (check the targets' range and any log/division).",
+        )
+
+
+def _check_metrics(task: Bound, model: nn.Module, batch: Any) -> tuple[str, ...]:
+    model.eval()
+    with torch.no_grad():
+        try:
+            values = task.metrics(model, batch)
+        except Exception as e:
+            if isinstance(e, JobError):
+                raise
+            raise task.error(
+                f"metrics(model, batch) on the preflight batch raised {type(e).__name__}: {str(e).strip()[:300]}",
+                "make metrics(model, batch) run on a collated batch (JOB_TRACEBACK=1 prints the traceback).",
+            ) from e
+    model.train()
+    for name, (_, count) in values.items():
+        if float(count) <= 0:
+            raise task.error(
+                f"metrics(model, batch)[{name!r}] has count {describe(count)} = {float(count)} on a batch of "
+                f"{PROBE_ITEMS} items.",
+                "count what the sum adds up (items, tokens, pixels): it must be positive for a non-empty batch.",
+            )
+    return tuple(values)
+
+
+def _param_groups(task: Bound, model: nn.Module) -> list[dict[str, Any]] | None:
+    """The task's groups, checked: each a dict with "params" of this model's parameters, none in two groups.
+    Parameters in no group are frozen (requires_grad False: DDP and the optimizer leave them alone)."""
+    groups = task.param_groups(model)
+    if groups is None:
+        return None
+    fix = 'return [{"params": [...], "lr_scale": 0.1, "weight_decay": 0.0}, ...] of model.parameters().'
+    owned = {id(p): name for name, p in model.named_parameters()}
+    seen: set[int] = set()
+    out = []
+    for i, group in enumerate(groups):
+        if not (isinstance(group, dict) and "params" in group):
+            raise task.error(f"param_groups(model)[{i}] is {describe(group)}, not a dict with 'params'.", fix)
+        params = list(group["params"])
+        for p in params:
+            if id(p) not in owned or id(p) in seen:
+                what = "is not a parameter of the model"
+                if id(p) in seen:
+                    what = f"({owned[id(p)]}) is in two groups"
+                raise task.error(f"param_groups(model)[{i}] holds a tensor that {what}.", fix)
+            seen.add(id(p))
+        out.append({**group, "params": params})
+    for p in model.parameters():
+        if id(p) not in seen:
+            p.requires_grad_(False)
+    return out
+
+
+@contextlib.contextmanager
+def _unchanged(model: nn.Module) -> Iterator[None]:
+    """The model's buffers, mode and every CPU RNG as they were before the checks' forward passes."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    was_training = model.training
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+            model.train(was_training)
+
+
+def _describe(task: Bound, datasets: dict[str, Any]) -> str:
+    if task.has("describe_data"):
+        return str(task.task.describe_data())
+    return f"task.name={task.name}: {len(datasets['train'])} train / {len(datasets['val'])} val items"

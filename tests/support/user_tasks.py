@@ -1,0 +1,120 @@
+"""Tasks a user might write, named by import path in the tests (``support.user_tasks:NAME``): a small regression
+task that keeps the contract, and one that breaks each part of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+
+class Points(Dataset):
+    """``n`` items ``{"x": 4 floats, "y": 1 float}`` of a fixed linear map plus noise drawn at read time (from
+    the RNG the job seeds per item)."""
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        gen = torch.Generator().manual_seed(1234 + offset)
+        self.x = torch.randn(n, 4, generator=gen)
+        self.w = torch.tensor([1.0, -2.0, 0.5, 3.0])
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x = self.x[index]
+        noise = 0.01 * torch.randn(())  # drawn from the generator the job seeded for (epoch, index)
+        return {"x": x, "y": (x @ self.w + noise).reshape(1)}
+
+
+class Regression:
+    """The contract kept: a linear model, mean squared error, a frozen bias (``param_groups``), a half-LR
+    weight group, and the sum of squared errors over items as its metric."""
+
+    def __init__(self, n_train: int = 64, n_val: int = 20, freeze_bias: bool = True) -> None:
+        self.n_train, self.n_val, self.freeze_bias = n_train, n_val, freeze_bias
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def dataset(self, split: str) -> Dataset:
+        if split == "train":
+            return Points(self.n_train)
+        return Points(self.n_val, offset=1)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        err = model(batch["x"]) - batch["y"]
+        return (err**2).mean(), {"mae": err.abs().mean()}
+
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+        err = model(batch["x"]) - batch["y"]
+        n = batch["y"].numel()
+        return {"mse": ((err**2).sum().double(), n), "mae": (err.abs().sum().double(), n)}
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        first, last = model[0], model[2]
+        groups: list[dict[str, Any]] = [{"params": [first.weight], "lr_scale": 0.5}, {"params": [last.weight]}]
+        if not self.freeze_bias:
+            groups.append({"params": [first.bias, last.bias], "weight_decay": 0.0})
+        return groups
+
+
+def regression(**options: Any) -> Regression:
+    return Regression(**options)
+
+
+class NoMetrics:
+    def build_model(self) -> nn.Module:
+        return nn.Linear(4, 1)
+
+    def dataset(self, split: str) -> Dataset:
+        return Points(16)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return model(batch["x"]).mean()
+
+
+class NanLoss(Regression):
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return torch.log(-model(batch["x"]).abs().sum() - 1.0), {}
+
+
+class VectorLoss(Regression):
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        return (model(batch["x"]) - batch["y"]) ** 2  # per item: not the mean
+
+
+class MeanMetrics(Regression):
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"mse": ((model(batch["x"]) - batch["y"]) ** 2).mean()}  # a mean, not (sum, count)
+
+
+class Stream(IterableDataset):
+    def __iter__(self) -> Any:
+        yield from Points(8)
+
+
+class IterableData(Regression):
+    def dataset(self, split: str) -> Any:
+        return Stream()
+
+
+class EmptyVal(Regression):
+    def dataset(self, split: str) -> Dataset:
+        if split == "val":
+            return Points(0)
+        return Points(16)
+
+
+class Ragged(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.zeros(index + 1)  # a different length per item
+
+
+class RaggedItems(Regression):
+    def dataset(self, split: str) -> Dataset:
+        return Ragged()
