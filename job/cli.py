@@ -44,6 +44,7 @@ def _self_launch_nproc(configured: int, environ: os._Environ[str] | dict[str, st
 def _train(argv: list[str]) -> int:
     from job.config import load_config
 
+    cfg = None
     if "--help" not in argv and "-h" not in argv:
         cfg = load_config(argv)
         nproc = _self_launch_nproc(cfg.dist.nproc_per_node, os.environ)
@@ -53,7 +54,9 @@ def _train(argv: list[str]) -> int:
             return launch.launch_main(launch.standalone_argv(nproc, argv))
     from job.train.run import main as train_main
 
-    return train_main(argv)  # entrypoint() leaves with os._exit: no slow teardown after a preemption save
+    # The config parsed here is the run's (parsed once); entrypoint() leaves with os._exit: no slow teardown
+    # after a preemption save.
+    return train_main(argv, cfg=cfg)
 
 
 def _doctor(argv: list[str]) -> int:

@@ -204,7 +204,7 @@ def test_causal_lm_learns_below_the_unigram_baseline_and_one_process_evaluates_t
         *("--train.precision", "bf16", "--train.grad-clip-norm", "1.0", "--ema.enabled", "true"),
         *("--ema.decay", "0.9", "--ddp.comm-stats", "true", "--train.eval-every", "75", "--log.every", "25"),
         *("--optim.name", "adamw", "--optim.lr", "0.003", "--optim.weight-decay", "0.01"),
-        *("--sched.warmup-steps", "10"),
+        *("--sched.warmup-steps", "10", "--observe.peak-tflops", "1.0"),
     ]
     args = lm_args(text, out, "two", *extra, n_embd=64, n_head=4)
     r = torchrun(2, args, timeout=900)
@@ -217,7 +217,8 @@ def test_causal_lm_learns_below_the_unigram_baseline_and_one_process_evaluates_t
     flops = re.search(r"observe: ([\d.]+) GFLOP per training sample", log)
     assert flops and float(flops[1]) > 0
     tb = scalars(out / "two" / "tb")
-    assert {"train/loss", "val/loss", "val/accuracy", "val/perplexity", "ema/val/loss"} <= set(tb)
+    assert {"train/loss", "val/loss", "val/accuracy", "val/perplexity", "ema/val/loss", "perf/mfu"} <= set(tb)
+    assert all(0 < v < 1 for _, v in tb["perf/mfu"])  # the task's FLOPs per item over a 1 TFLOP/s peak
     assert [s for s, _ in tb["val/loss"]] == [75, 150]
     shutil.copytree(out / "two", out / "one", ignore=shutil.ignore_patterns("tb", "progress"))
     one_args = [*args, "--ckpt.allow-world-size-change", "true"]

@@ -23,11 +23,42 @@ log = logging.getLogger("job")
 
 @dataclass(frozen=True)
 class DataLayout:
-    """What `validate_data` found: class names and (path, label) lists, no image decoded."""
+    """What `validate_imagefolder` found: class names and (path, label) lists, no image decoded. A data source
+    (job.data.source.Source): it hands its datasets to the loaders without validating again."""
 
     classes: tuple[str, ...]
     train: tuple[tuple[str, int], ...]
     val: tuple[tuple[str, int], ...]
+    root: str = ""
+
+    def size(self) -> tuple[int, str, str]:
+        return len(self.train), "data.path", self.root
+
+    def files(self) -> list[str]:
+        return [path for path, _ in self.train + self.val]
+
+    def describe(self) -> str:
+        """The layout in one line, after one file actually read (BadInput naming it when it cannot be)."""
+        path = self.train[0][0]
+        try:
+            with open(path, "rb") as f:
+                f.read(64)
+        except OSError as e:
+            raise BadInput(
+                f"{path}: not readable ({e.strerror})",
+                "check the data mount and its permissions",
+                setting="data.path",
+                value=self.root,
+            ) from None
+        return (
+            f"data.path={self.root}: {len(self.classes)} classes = data.num_classes, "
+            f"{len(self.train)} train / {len(self.val)} val files, first file readable"
+        )
+
+    def datasets(
+        self, cfg: DataConfig, seed: int, device: torch.device, rank: int, decode: device_decode.DecodeChoice
+    ) -> Datasets:
+        return imagefolder_datasets(cfg, seed, device, rank, self, decode)
 
 
 def _make_data_hint(cfg: DataConfig) -> str:
@@ -111,7 +142,7 @@ def validate_imagefolder(cfg: DataConfig) -> DataLayout:
             setting="data.path",
             value=cfg.path,
         )
-    return DataLayout(tuple(train_classes), tuple(train), tuple(val))
+    return DataLayout(tuple(train_classes), tuple(train), tuple(val), str(cfg.path))
 
 
 def imagefolder_datasets(
@@ -132,9 +163,7 @@ def imagefolder_datasets(
     return Datasets(train, val, layout.classes, layout=layout)
 
 
-def decode_choice(cfg: DataConfig, layout: object, cuda: bool) -> device_decode.DecodeChoice:
-    """Where this run decodes (job.data.device_decode.choose_decode); BadInput where data.decode cannot be met."""
-    files: list[str] = []
-    if isinstance(layout, DataLayout):
-        files = [path for path, _ in layout.train + layout.val]
+def decode_choice(cfg: DataConfig, files: list[str], cuda: bool) -> device_decode.DecodeChoice:
+    """Where this run decodes the image ``files`` (job.data.device_decode.choose_decode; none: a source that is
+    not a file tree); BadInput where data.decode cannot be met."""
     return device_decode.choose_decode(cfg, files, cuda, device_decode.has_torchcodec())

@@ -105,4 +105,4 @@ class Datasets:
     classes: tuple[str, ...]
     collate_fn: Any = collate
     on_device: bool = False
-    layout: Any = None  # what the source's validation found (job.data.source.check_train_size names its setting)
+    layout: Any = None  # what the source's validation found (the ImageFolder or shard layout)

@@ -81,6 +81,7 @@ class Loaders:
     val: Any  # iterable of this rank's validation batches (last may be short; may be empty)
     val_info: ValInfo
     decodes_on_device: bool = False  # batches are EncodedBatch: to_device decodes them (job.data.device_decode)
+    resident: bool = False  # the batches are on the training device already (data.source=synthetic)
 
     @property
     def batches_per_epoch(self) -> int:

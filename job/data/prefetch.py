@@ -64,9 +64,7 @@ class DevicePrefetcher:
 def wrap_loaders(loaders: Any, device: torch.device, enabled: bool, channels_last: bool) -> Any:
     """``loaders`` with the training loader prefetching to ``device`` (unchanged on CPU, when disabled, or
     when the source already lives on the device)."""
-    from job.data.synthetic import TensorBatches
-
-    if not enabled or device.type != "cuda" or isinstance(loaders.train, TensorBatches):
+    if not enabled or device.type != "cuda" or loaders.resident:
         return loaders  # the synthetic source keeps its images on the device already
     if loaders.decodes_on_device:
         return loaders  # encoded bytes: the decoder reads them from pinned host memory itself

@@ -44,7 +44,7 @@ from torchvision.transforms import v2
 from job.config import DataConfig
 from job.data import shard_format
 from job.data.augment import eval_transform, train_transform
-from job.data.images import IMG_EXTENSIONS, ImageFiles, pil_to_tensor
+from job.data.images import IMG_EXTENSIONS, Datasets, ImageFiles, pil_to_tensor
 from job.errors import BadInput, BadShard
 
 PROBE_SAMPLES = 8  # samples of each split's first shard decoded before the process group
@@ -74,10 +74,22 @@ class ShardLayout:
     val: ShardList
 
     def describe(self) -> str:
+        """The layout in one line (validation decoded the first samples of each split already)."""
         return (
             f"WebDataset: {len(self.classes)} classes, {len(self.train)} train samples in {len(self.train.urls)} "
-            f"shard(s) ({self.train.source}), {len(self.val)} val in {len(self.val.urls)} ({self.val.source})"
+            f"shard(s) ({self.train.source}), {len(self.val)} val in {len(self.val.urls)} ({self.val.source}); "
+            "first samples readable"
         )
+
+    def size(self) -> tuple[int, str, str]:
+        return len(self.train), self.train.setting, self.train.source
+
+    def files(self) -> list[str]:
+        return []  # samples inside shards: the on-device decode reads files of an ImageFolder only
+
+    def datasets(self, cfg: DataConfig, seed: int, device: torch.device, rank: int, decode: Any) -> Datasets:
+        train, val = shard_datasets(cfg, self, seed)
+        return Datasets(train, val, self.classes, layout=self)
 
 
 def is_remote(url: str) -> bool:

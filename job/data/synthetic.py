@@ -4,6 +4,7 @@ device and batched there by the samplers' indices (no DataLoader, no files)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
@@ -73,4 +74,37 @@ def synthetic_loaders(
         sampler,
         TensorBatches(val_x, val_y, val_sampler, micro_batch_size),
         ValInfo(cfg.synthetic_val_size, r.start, r.stop, classes),
+        resident=True,
     )
+
+
+class SyntheticSource:
+    """``data.source: synthetic`` as a data source (job.data.source.Source): nothing to validate."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.cfg = cfg
+
+    def size(self) -> tuple[int, str, str]:
+        n = self.cfg.synthetic_train_size
+        return n, "data.synthetic_train_size", str(n)
+
+    def files(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return f"data.source=synthetic: {self.cfg.synthetic_train_size} generated training images, no files to read"
+
+    def datasets(self, cfg: DataConfig, seed: int, device: torch.device, rank: int, decode: Any) -> Datasets:
+        return synthetic_datasets(cfg, seed)
+
+    def loaders(
+        self,
+        cfg: DataConfig,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        seed: int,
+        device: torch.device,
+        grad_accum_steps: int,
+    ) -> Loaders:
+        return synthetic_loaders(cfg, rank, world_size, micro_batch_size, seed, device, grad_accum_steps)

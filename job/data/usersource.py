@@ -153,3 +153,22 @@ def check_user_data(cfg: DataConfig) -> int | None:
                 ) from e
             to_item(cfg, item, where)
     return sizes["train"]
+
+
+class UserSource:
+    """A user dataset as a data source (job.data.source.Source), after ``check_user_data``."""
+
+    def __init__(self, cfg: DataConfig, train_size: int) -> None:
+        self.cfg, self.train_size = cfg, train_size
+
+    def size(self) -> tuple[int, str, str]:
+        return self.train_size, "data.source", self.cfg.source
+
+    def files(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return f"data.source={self.cfg.source}: {self.train_size} training items, the first ones checked"
+
+    def datasets(self, cfg: DataConfig, seed: int, device: torch.device, rank: int, decode: Any) -> Datasets:
+        return datasets(cfg, seed)

@@ -111,10 +111,12 @@ def _describe_data(cfg: JobConfig) -> str:
     return check_task(load_task(cfg), cfg, env, make_plan(cfg, 1), torch.cuda.is_available()).data
 
 
-def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: JobConfig | None = None) -> int:
+    """``cfg``: the config of ``argv`` when the caller parsed it already (the command line does)."""
     environ = os.environ if environ is None else environ
     # --- config ---
-    cfg = load_config(argv, environ)
+    if cfg is None:
+        cfg = load_config(argv, environ)
     # --- environment / rendezvous ---
     env = detect_env(environ)
     metrics.setup_console(env.rank, env.world_size)
