@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from job.data.items import move
 from job.errors import UserCodeError
 
 REQUIRED = ("build_model", "dataset", "loss", "metrics")
@@ -68,6 +69,8 @@ class Bound:
         self.task, self.name = task, name
         self.collate: Callable[[list[Any]], Any] = getattr(task, "collate", None) or default_collate
         self.loss_fn: Callable[[nn.Module, Any], Any] = task.loss
+        # Resolved once: the step calls it every micro-batch.
+        self.transfer: Callable[[Any, torch.device], Any] = getattr(task, "transfer", None) or move
 
     @staticmethod
     def _error_for(name: str, what: str, fix: str) -> UserCodeError:

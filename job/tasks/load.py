@@ -6,7 +6,7 @@ from typing import Any
 
 from job import usercode
 from job.config import JobConfig
-from job.errors import UserCodeError
+from job.errors import BadInput, UserCodeError
 from job.tasks.contract import DOC, Bound
 
 
@@ -23,7 +23,7 @@ def load_task(cfg: JobConfig) -> Bound:
     if name == "causal_lm":
         from job.tasks.lm.task import CausalLM
 
-        return Bound(CausalLM.from_options(cfg.task.options, cfg.run.seed), name)
+        return Bound(CausalLM.from_options(cfg.task.options), name)
     fn = usercode.resolve("task.name", name)
     task = usercode.call("task.name", name, fn, cfg.task.options, "task.options")
     if task is None:
@@ -38,8 +38,6 @@ def load_task(cfg: JobConfig) -> Bound:
 
 def _image_task(cfg: JobConfig) -> Any:
     if cfg.task.options:
-        from job.errors import BadInput
-
         raise BadInput(
             f"task.options={cfg.task.options} with task.name='image_classification': the image task takes its "
             "settings from the model and data sections.",

@@ -20,7 +20,7 @@ from torch import nn
 from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.config.plan import Plan
-from job.data.items import Collate, SeededItems, check_dataset, move
+from job.data.items import Collate, SeededItems, check_dataset
 from job.data.loaders import require_one_batch
 from job.errors import JobError
 from job.tasks.contract import SPLITS, Bound, describe
@@ -90,9 +90,7 @@ def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> Any:
 
 def transfer(task: Bound, batch: Any, device: torch.device) -> Any:
     """A batch copied to ``device`` as the task wants it (its own ``transfer``, else every tensor moved)."""
-    if task.has("transfer"):
-        return task.task.transfer(batch, device)
-    return move(batch, device)
+    return task.transfer(batch, device)
 
 
 def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:

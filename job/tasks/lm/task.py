@@ -65,7 +65,7 @@ class CausalLM:
     jitter: bool = True
 
     @classmethod
-    def from_options(cls, options: dict[str, Any], seed: int = 0) -> CausalLM:
+    def from_options(cls, options: dict[str, Any]) -> CausalLM:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise _bad(unknown[0], options[unknown[0]], "not an option of task.name=causal_lm.", f"use only {OPTIONS}.")
