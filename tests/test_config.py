@@ -209,6 +209,7 @@ def test_every_shipped_config_loads_with_its_values() -> None:
     assert [f.name for f in files] == [
         "container.yaml",
         "cpu-smoke.yaml",
+        "lm-cpu.yaml",
         "resnet50-imagenet.yaml",
         "synthetic-benchmark.yaml",
     ]
