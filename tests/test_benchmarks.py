@@ -300,9 +300,27 @@ def sync_worker_params(tmp_path: Path, mode: str, trainers: int) -> list[dict]:
     out = tmp_path / mode
     out.mkdir()
     nproc = trainers + 1 if mode == "ps" else trainers
-    worker = ["-m", "job.bench.sync_worker", "--mode", mode, "--steps", "3", "--micro", "4", "--save-params", "--out", str(out)]
+    worker = [
+        "-m",
+        "job.bench.sync_worker",
+        "--mode",
+        mode,
+        "--steps",
+        "3",
+        "--micro",
+        "8",
+        "--image-size",
+        "32",
+        "--lr",
+        "0.001",
+        "--save-params",
+        "--out",
+        str(out),
+    ]
     cmd = common.torchrun_cmd(nproc, worker)  # --standalone: torchrun picks a free port
-    r = subprocess.run(cmd, env={**base_env(tmp_path), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        cmd, env={**base_env(tmp_path), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [torch_load(out / f"params{rank}.pt") for rank in range(nproc)]
 
@@ -315,8 +333,11 @@ def torch_load(path: Path) -> dict:
 
 def test_ring_and_parameter_server_train_to_the_same_parameters(tmp_path):
     """Synchronous SGD either way: after warm-up + 3 steps on the same batches from the same start, DDP's ranks
-    and the server and trainers of the parameter server hold the same parameters (3 trainers: the two sum the
-    gradients in different orders, so float tolerance, not bits)."""
+    and the server and trainers of the parameter server hold the same parameters. With 3 trainers the two sum
+    the gradients in different orders; BatchNorm over a few samples amplifies that rounding (measured: the mean
+    of the same 3 gradients summed in two orders gives parameters 1.7e-5 apart after 4 steps at lr 0.001, and
+    0.13 apart at lr 0.01 with 4 images of 16 px), so a small lr and a tolerance of 1e-4: a mean that is off by
+    a factor or a missed trainer moves the parameters by ~1e-2."""
     import torch
     import torchvision
 
@@ -326,6 +347,6 @@ def test_ring_and_parameter_server_train_to_the_same_parameters(tmp_path):
     assert set(ddp[0]) == set(ps[0]) == set(start)
     for name, value in ddp[0].items():
         for other in ddp[1:] + ps:
-            torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(other[name], value, rtol=1e-4, atol=1e-4, msg=name)
     # the parameters moved: equality is not that of two untouched models
     assert max((ddp[0][n] - start[n].detach()).abs().max().item() for n in start) > 1e-3

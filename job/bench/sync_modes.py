@@ -39,8 +39,12 @@ def launch(a: argparse.Namespace, mode: str, n: int, tmp: Path) -> list[dict[str
 
 def summary(n: int, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Step time over launches (trainer 0's median each), and the busiest process's bytes per step."""
-    step = common.median_spread(common.median_spread(next(r for r in rs if r["index"] == 0 and r["step_s"])["step_s"])["median"] for rs in runs)
-    per_step = [{**r, "sent": r["sent"] / r["steps"], "received": r["received"] / r["steps"]} for rs in runs for r in rs]
+    step = common.median_spread(
+        common.median_spread(next(r for r in rs if r["index"] == 0 and r["step_s"])["step_s"])["median"] for rs in runs
+    )
+    per_step = [
+        {**r, "sent": r["sent"] / r["steps"], "received": r["received"] / r["steps"]} for rs in runs for r in rs
+    ]
     busiest = max(per_step, key=lambda r: r["sent"] + r["received"])
     grad_bytes = busiest["grad_bytes"]
     ideal = ring_ideal(n, grad_bytes)
@@ -112,10 +116,21 @@ def main(argv: list[str]) -> int:
     common.table(
         f"sync-modes: {a.model} {a.image_size}px, batch {a.micro} per trainer, gradients {grad / 2**20:.2f} MiB, gloo, "
         f"{a.reps} interleaved repetitions of {a.steps} timed steps (median [min-max])",
-        ["mode", "N", "step time", "busiest", "sent/step", "received/step", "sent / grad", "vs ring ideal (sent / recv)"],
+        [
+            "mode",
+            "N",
+            "step time",
+            "busiest",
+            "sent/step",
+            "received/step",
+            "sent / grad",
+            "vs ring ideal (sent / recv)",
+        ],
         rows,
     )
-    common.emit("sync-modes", {"quick": a.quick, "model": a.model, "reps": a.reps, "steps": a.steps, "results": results})
+    common.emit(
+        "sync-modes", {"quick": a.quick, "model": a.model, "reps": a.reps, "steps": a.steps, "results": results}
+    )
     return 0
 
 

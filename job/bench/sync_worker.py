@@ -55,7 +55,8 @@ def tcp_bytes() -> tuple[int, int]:
 
 def build(model: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torchvision.models.get_model(model, weights=None, num_classes=10)
+    built: torch.nn.Module = torchvision.models.get_model(model, weights=None, num_classes=10)
+    return built
 
 
 def batch(a: argparse.Namespace, step: int, trainer: int) -> tuple[torch.Tensor, torch.Tensor]:
