@@ -169,12 +169,15 @@ class TrainLog:
         self.timer.add_data_wait(out.data_wait_s)
         self.timer.end_step()
         cross_rank = self.observer.step_done(step, self.timer)  # straggler/throughput/memory, profiler, progress file
-        if out.finite:
-            self.loss_sum += out.loss
+        self.loss_sum += torch.where(out.finite, out.loss, 0.0)  # a skipped step adds nothing, without the host
         if self.progress is not None:
             self.progress.update(1)
-        if step % self.every == 0 or step == self.total_steps:
+        if self.due(step):
             self._emit(step, out, lr, cross_rank)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a log step."""
+        return step % self.every == 0 or step == self.total_steps
 
     def _emit(self, step: int, out: Any, lr: float, cross_rank: dict[str, float] | None) -> None:
         scalars = {

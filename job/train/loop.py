@@ -60,6 +60,8 @@ def iteration(run: Run) -> bool:
     run.log.before_step()
     run.stop_vote.start(run.stop.local())
     out = train_step(parts, run.batches, run.plan, state, run.cfg.train, run.stop)
+    if run.log.due(state.step) or run.checkpointer.due(state.step):  # the count is saved and logged up to date
+        parts.guard.check(state.step, state)
     run.log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
     run.evaluator.after_step(state.step)
     if stop_agreed(run):
@@ -77,6 +79,7 @@ def stop_agreed(run: Run) -> bool:
 
 def preempted(run: Run) -> int:
     step = run.state.step
+    run.parts.guard.check(step, run.state)
     log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
     run.checkpointer.save(step)
     # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
@@ -91,6 +94,7 @@ def preempted(run: Run) -> int:
 def finish(run: Run) -> int:
     """The end of a completed run: final evaluation, the last checkpoint, the FINAL line."""
     step, is_main = run.state.step, run.env.is_main
+    run.parts.guard.check(step, run.state)
     results = run.evaluator.results()
     if is_main and run.parts.ema is not None:  # the headline metric (the task's first) and the loss
         headline = dict.fromkeys((run.parts.metric_names[0], "loss"))
