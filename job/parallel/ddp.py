@@ -78,10 +78,16 @@ def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
 
 def apply_tf32(enabled: bool) -> None:
     """TF32 for fp32 matmuls and cuDNN convolutions (Ampere+). Off = IEEE fp32, which also turns off
-    torch's default of TF32 convolutions, so 'fp32' means the same in every layer."""
-    precision = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined]  # not in torch's stubs
+    torch's default of TF32 convolutions, so 'fp32' means the same in every layer.
+
+    Set through the legacy API on purpose: torch maps it onto the new ``fp32_precision`` flags, so both APIs'
+    getters read it back; after a set through the new API the legacy getters (``allow_tf32``,
+    ``get_float32_matmul_precision``, which inductor's autotuning reads) raise for a mix of the two APIs."""
+    matmul = "highest"
+    if enabled:
+        matmul = "high"  # TF32 where the device has it
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 class DataParallelBaseline(nn.DataParallel):
