@@ -126,6 +126,41 @@ class CommCounter:
 _COMM_COUNTERS: weakref.WeakKeyDictionary[nn.Module, CommCounter] = weakref.WeakKeyDictionary()
 
 
+class PowerSgdReset:
+    """PowerSGD carries state across steps: the compression error (error feedback) and Q (warm start). A step
+    whose gradients were non-finite leaves NaN/Inf in both for good; after a skipped update this puts them back
+    on the device, without the host: the error to zero (nothing owed), Q to the last finite step's (random at
+    first, as the hook starts)."""
+
+    def __init__(self, state: powerSGD_hook.PowerSGDState) -> None:
+        self.state = state
+        self.good_q: dict[int, torch.Tensor] = {}
+
+    def after_update(self, found_inf: torch.Tensor) -> None:
+        """After the step's update; ``found_inf`` (0-d, 1 = the update was skipped) from the non-finite guard."""
+        skipped = found_inf.bool()
+        for error in self.state.error_dict.values():
+            error.masked_fill_(skipped, 0.0)
+        for bucket, q in self.state.q_memory_dict.items():
+            good = self.good_q.get(bucket)
+            if good is None:
+                g = torch.Generator(q.device).manual_seed(bucket)
+                good = self.good_q[bucket] = torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype)
+            q.copy_(torch.where(skipped, good, q))
+            good.copy_(q)
+
+
+# The PowerSGD reset of each wrapped model that uses the hook (after_update); weak: dies with the model.
+_POWERSGD_RESETS: weakref.WeakKeyDictionary[nn.Module, PowerSgdReset] = weakref.WeakKeyDictionary()
+
+
+def after_update(model: nn.Module, found_inf: torch.Tensor) -> None:
+    """After every optimizer step: the comm hook's state made good again after a skipped update."""
+    reset = _POWERSGD_RESETS.get(model)
+    if reset is not None:
+        reset.after_update(found_inf)
+
+
 def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
     """(hook, state) for the configured communication; state None = the default process group."""
     if cfg.comm_hook == "bf16":
@@ -175,6 +210,8 @@ def wrap_model(
         _COMM_COUNTERS[model] = counter  # read by comm_summary()
     elif d.comm_hook != "none":  # no hook = DDP's built-in C++ all-reduce (the fastest plain path)
         model.register_comm_hook(state, hook)
+    if isinstance(state, powerSGD_hook.PowerSGDState):
+        _POWERSGD_RESETS[model] = PowerSgdReset(state)
     return model
 
 

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from job.config import TrainConfig
 from job.config.plan import Plan
+from job.parallel import ddp
 from job.train.parts import Parts
 
 
@@ -122,6 +123,7 @@ def _unscale_and_norm(parts: Parts, clip_norm: float) -> torch.Tensor:
 
 def _update(parts: Parts, found_inf: torch.Tensor) -> None:
     parts.guard.update(found_inf)  # also skips GradScaler's fp16 overflows: their gradient norm is inf
+    ddp.after_update(parts.model, found_inf)
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
     parts.scheduler.step()
