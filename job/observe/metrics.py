@@ -180,10 +180,12 @@ class TrainLog:
         return step % self.every == 0 or step == self.total_steps
 
     def _emit(self, step: int, out: Any, lr: float, cross_rank: dict[str, float] | None) -> None:
+        # One transfer for both device values.
+        loss_sum, grad_norm = torch.stack([self.loss_sum.float(), out.grad_norm.detach().float()]).tolist()
         scalars = {
-            "train/loss": self.loss_sum.item() / max(self.timer.steps, 1),
+            "train/loss": loss_sum / max(self.timer.steps, 1),
             "train/lr": lr,
-            "train/grad_norm": float(out.grad_norm),
+            "train/grad_norm": grad_norm,
             "perf/peak_memory_mb": peak_memory_mb(self.device),
             **self.timer.summary(self.global_batch_size),
         }
