@@ -709,3 +709,17 @@ def test_stalled_data_worker_ends_in_an_error_naming_the_setting(tmp_path: Path)
     assert "collective timed out" not in text, text[-3000:]
     state = Path(f"/proc/{workers[0]}/stat").read_text().split()[2] if Path(f"/proc/{workers[0]}").exists() else "gone"
     assert state in ("gone", "Z"), f"the stalled worker was left behind (state {state})"
+
+
+def test_flight_recorder_is_on_by_default_unless_set(tmp_path: Path) -> None:
+    from job.parallel.distributed import FLIGHT_RECORDER_ENTRIES, flight_recorder_env
+
+    got = flight_recorder_env({}, tmp_path)
+    assert got == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl_trace_rank_"),
+    }
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, tmp_path)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "100"}, tmp_path)
+    assert flight_recorder_env({"TORCH_FR_DUMP_TEMP_FILE": "/x/"}, tmp_path).get("TORCH_FR_DUMP_TEMP_FILE") is None

@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+import torch
+import torch.distributed
+
 from job.errors import EXIT_TIMEOUT
 from job.observe.observer import stall_report
 
@@ -72,7 +75,21 @@ class Watchdog:
             self.rank, idle_s, where, 100 * DEADLINE_FRACTION, self.timeout_s,
             stall_report(self.run_dir, self.world_size),
         )  # fmt: skip
+        _dump_flight_recorder(self.rank)
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         sys.stderr.flush()
         os._exit(EXIT_TIMEOUT)  # the main thread is blocked in the collective: only the process can end it
+
+
+def _dump_flight_recorder(rank: int) -> None:
+    """The NCCL flight recorder's buffer to its dump file: exiting first, the job would pre-empt NCCL's own dump."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if not prefix or not torch.distributed.is_initialized() or torch.distributed.get_backend() != "nccl":
+        return
+    try:
+        from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined]  # not in the stubs
+
+        Path(prefix + str(rank)).write_bytes(_dump_nccl_trace())
+    except Exception as e:  # the stall report matters more than the dump: say why and go on to it
+        log.warning("watchdog: no flight recorder dump (%s: %s)", type(e).__name__, e)

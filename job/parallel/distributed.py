@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import numpy as np
@@ -65,6 +67,24 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
         setting="LOCAL_RANK",
         value=env.local_rank,
     )
+
+
+FLIGHT_RECORDER_ENTRIES = "2000"
+"""The NCCL flight recorder's entries per rank when the environment sets none."""
+
+
+def flight_recorder_env(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
+    """The NCCL flight recorder's variables this job sets where the environment leaves them unset (an explicit
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE=0`` keeps it off): on a collective timeout each rank dumps its last
+    collectives to ``<run_dir>/nccl_trace_rank_<rank>`` (docs/doctor.md). Read by NCCL process groups only."""
+    defaults = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / "nccl_trace_rank_"),
+    }
+    if "TORCH_FR_BUFFER_SIZE" in environ:  # the newer name of the buffer size
+        defaults.pop("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    return {k: v for k, v in defaults.items() if k not in environ}
 
 
 def setup(env: DistEnv, cfg: DistConfig) -> Runtime:

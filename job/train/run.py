@@ -126,6 +126,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
     quick = None
     if cfg.doctor.enabled:  # the doctor's quick checks, around the process group created here
         quick = doctor.quick_local(cfg, env, environ, preflight_probes(pre))
+    os.environ.update(distributed.flight_recorder_env(os.environ, cfg.run_dir))  # read at process-group creation
     rt = distributed.setup(env, cfg.dist)
     try:
         if quick is not None:
