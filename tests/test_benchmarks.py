@@ -269,3 +269,16 @@ def test_gpu_run_fits_eight_minutes_by_construction():
     # every Python command after the CUDA probe runs under a timeout cut to what is left of the budget
     runs = [line for line in text.splitlines() if '"$PY" -m' in line]
     assert len(runs) >= 4 and all('timeout "$(lim' in line for line in runs), runs
+
+
+def test_torchrun_cmd_starts_workers_from_this_interpreter(tmp_path: Path) -> None:
+    from job.bench.common import torchrun_cmd
+
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\nprint('worker', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.executable)\n")
+    r = subprocess.run(
+        torchrun_cmd(2, [str(script)]), env=base_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("worker"))
+    assert lines == [f"worker 0 2 {sys.executable}", f"worker 1 2 {sys.executable}"]
