@@ -97,18 +97,22 @@ def setup(env: DistEnv, cfg: DistConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
+    # Bound to its device, NCCL creates the communicator eagerly and never guesses the device from the rank.
+    device_id = None
+    if device.type == "cuda":
+        device_id = device
     if env.launcher in ("torchrun", "env"):
         # torchrun workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE); env:// knows how.
-        dist.init_process_group(
-            backend, init_method="env://", timeout=timeout, device_id=device if device.type == "cuda" else None
-        )
+        dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
     elif env.world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store: dist.Store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
     else:
         store = dist.TCPStore(
             env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout
         )
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        rank, world = env.rank, env.world_size
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
     control = None
     if backend == "nccl":
         control = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))
