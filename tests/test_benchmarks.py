@@ -350,3 +350,16 @@ def test_ring_and_parameter_server_train_to_the_same_parameters(tmp_path):
             torch.testing.assert_close(other[name], value, rtol=1e-4, atol=1e-4, msg=name)
     # the parameters moved: equality is not that of two untouched models
     assert max((ddp[0][n] - start[n].detach()).abs().max().item() for n in start) > 1e-3
+
+
+def test_torchrun_cmd_starts_workers_from_this_interpreter(tmp_path: Path) -> None:
+    from job.bench.common import torchrun_cmd
+
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\nprint('worker', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.executable)\n")
+    r = subprocess.run(
+        torchrun_cmd(2, [str(script)]), env=base_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("worker"))
+    assert lines == [f"worker 0 2 {sys.executable}", f"worker 1 2 {sys.executable}"]

@@ -43,8 +43,12 @@ class Checkpointer:
 
     def after_step(self, step: int) -> None:
         """The periodic save; the last step is saved by ``finish`` after the final evaluation."""
-        if self.every and step % self.every == 0 and step < self.total_steps:
+        if self.due(step):
             self.save(step)
+
+    def due(self, step: int) -> bool:
+        """Whether ``after_step`` saves at ``step``."""
+        return bool(self.every) and step % self.every == 0 and step < self.total_steps
 
     def finish(self, step: int) -> None:
         """The end of the run: save the final step unless it was just saved, and wait until it is on disk."""
