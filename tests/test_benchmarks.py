@@ -269,3 +269,97 @@ def test_gpu_run_fits_eight_minutes_by_construction():
     # every Python command after the CUDA probe runs under a timeout cut to what is left of the budget
     runs = [line for line in text.splitlines() if '"$PY" -m' in line]
     assert len(runs) >= 4 and all('timeout "$(lim' in line for line in runs), runs
+
+
+def test_sync_modes_quick_counts_bytes_of_a_ring_and_a_server(tmp_path):
+    import torchvision
+
+    from job.bench.sync_modes import ring_ideal
+
+    out = bench(tmp_path, "sync-modes")
+    model = torchvision.models.resnet18(num_classes=10)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert set(out["results"]) == {"ddp/2", "ddp/3", "ps/2", "ps/3"}
+    for key, r in out["results"].items():
+        mode, n = key.split("/")
+        assert r["grad_bytes"] == grad_bytes and r["step_s"]["n"] == 1 and r["step_s"]["median"] > 0
+        assert close(r["sent_vs_ring_ideal"], r["sent_per_step"] / ring_ideal(int(n), grad_bytes))
+        # counted on the wire: the payload plus framing (headers, the barriers), a fraction of a percent more
+        if mode == "ddp":  # each rank of a ring sends and receives 2(N-1)/N of the gradients
+            expected, role = ring_ideal(int(n), grad_bytes), "rank"
+        else:  # the server receives every trainer's gradients and sends every trainer the parameters
+            expected, role = int(n) * grad_bytes, "server"
+        assert r["busiest"] == role
+        for direction in ("sent_per_step", "received_per_step"):
+            assert expected <= r[direction] < expected * 1.01, (key, direction, r[direction], expected)
+
+
+def sync_worker_params(tmp_path: Path, mode: str, trainers: int) -> list[dict]:
+    from job.bench import common
+
+    out = tmp_path / mode
+    out.mkdir()
+    nproc = trainers + 1 if mode == "ps" else trainers
+    worker = [
+        "-m",
+        "job.bench.sync_worker",
+        "--mode",
+        mode,
+        "--steps",
+        "3",
+        "--micro",
+        "8",
+        "--image-size",
+        "32",
+        "--lr",
+        "0.001",
+        "--save-params",
+        "--out",
+        str(out),
+    ]
+    cmd = common.torchrun_cmd(nproc, worker)  # --standalone: torchrun picks a free port
+    r = subprocess.run(
+        cmd, env={**base_env(tmp_path), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [torch_load(out / f"params{rank}.pt") for rank in range(nproc)]
+
+
+def torch_load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+def test_ring_and_parameter_server_train_to_the_same_parameters(tmp_path):
+    """Synchronous SGD either way: after warm-up + 3 steps on the same batches from the same start, DDP's ranks
+    and the server and trainers of the parameter server hold the same parameters. With 3 trainers the two sum
+    the gradients in different orders; BatchNorm over a few samples amplifies that rounding (measured: the mean
+    of the same 3 gradients summed in two orders gives parameters 1.7e-5 apart after 4 steps at lr 0.001, and
+    0.13 apart at lr 0.01 with 4 images of 16 px), so a small lr and a tolerance of 1e-4: a mean that is off by
+    a factor or a missed trainer moves the parameters by ~1e-2."""
+    import torch
+    import torchvision
+
+    ddp, ps = sync_worker_params(tmp_path, "ddp", 3), sync_worker_params(tmp_path, "ps", 3)
+    torch.manual_seed(0)
+    start = dict(torchvision.models.resnet18(num_classes=10).named_parameters())
+    assert set(ddp[0]) == set(ps[0]) == set(start)
+    for name, value in ddp[0].items():
+        for other in ddp[1:] + ps:
+            torch.testing.assert_close(other[name], value, rtol=1e-4, atol=1e-4, msg=name)
+    # the parameters moved: equality is not that of two untouched models
+    assert max((ddp[0][n] - start[n].detach()).abs().max().item() for n in start) > 1e-3
+
+
+def test_torchrun_cmd_starts_workers_from_this_interpreter(tmp_path: Path) -> None:
+    from job.bench.common import torchrun_cmd
+
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\nprint('worker', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.executable)\n")
+    r = subprocess.run(
+        torchrun_cmd(2, [str(script)]), env=base_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("worker"))
+    assert lines == [f"worker 0 2 {sys.executable}", f"worker 1 2 {sys.executable}"]

@@ -221,3 +221,32 @@ def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
             assert torch.equal(v, before[k]), f"{k} changed"
     finally:
         dist.destroy_process_group()
+
+
+# --- PowerSGD after a skipped update (its state, on the CPU) ----------------------------------------------------
+
+
+def test_powersgd_state_is_made_good_after_a_skipped_update() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    from job.parallel.ddp import PowerSgdReset
+
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    reset = PowerSgdReset(state)
+    kept, skipped = torch.tensor(0.0), torch.tensor(1.0)
+    q1, error1 = torch.randn(12), torch.randn(40)
+    state.q_memory_dict[0], state.error_dict[0] = q1.clone(), error1.clone()
+    reset.after_update(kept)
+    assert torch.equal(state.q_memory_dict[0], q1) and torch.equal(state.error_dict[0], error1)
+    # A non-finite bucket poisons both, as the hook leaves them after NaN gradients.
+    state.q_memory_dict[0].fill_(float("nan"))
+    state.error_dict[0][::2] = float("inf")
+    state.q_memory_dict[1] = torch.full((6,), float("nan"))  # a bucket whose first compressed step is skipped
+    reset.after_update(skipped)
+    assert torch.equal(state.q_memory_dict[0], q1)  # the warm start of the last finite step
+    assert torch.equal(state.error_dict[0], torch.zeros(40))  # no error owed for gradients never applied
+    assert torch.isfinite(state.q_memory_dict[1]).all() and state.q_memory_dict[1].abs().sum() > 0
+    q2 = torch.randn(12)
+    state.q_memory_dict[0].copy_(q2)
+    reset.after_update(kept)
+    assert torch.equal(state.q_memory_dict[0], q2)

@@ -8,7 +8,10 @@ raise ``NonFiniteError``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,10 +19,13 @@ import torch.distributed as dist
 from support.runs import tiny_args
 from torch import nn
 
+import job.data
 from job.cluster.env import detect_env
 from job.config import load_config
 from job.config.plan import make_plan
 from job.errors import NonFiniteError
+from job.observe.metrics import NullWriter, TrainLog
+from job.observe.observer import Observer
 from job.parallel import distributed
 from job.train import debug
 from job.train.parts import Parts, build_parts
@@ -111,8 +117,63 @@ def test_nonfinite_loss_skips_the_update_then_raises(runtime: distributed.Runtim
     assert train_step(parts, batches, plan, state, cfg.train).finite
     before = copy.deepcopy(parts.raw_model.state_dict())
     out = train_step(parts, batches, plan, state, cfg.train)
-    assert not out.finite and state.step == 2 and state.nonfinite_skips == 1
+    assert not out.finite and state.step == 2 and state.nonfinite_skips == 0  # counted on the device until checked
+    parts.guard.check(state.step, state)
+    assert state.nonfinite_skips == 1
     for k, v in parts.raw_model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by a skipped update"
+    train_step(parts, batches, plan, state, cfg.train)
     with pytest.raises(NonFiniteError, match="max_nonfinite_skips=1"):
-        train_step(parts, batches, plan, state, cfg.train)
+        parts.guard.check(state.step, state)
+    assert state.nonfinite_skips == 2
+
+
+HOST_SIDE = Path(job.data.__file__).parent
+
+
+class HostSyncs:
+    """Counts the calls that read a tensor's value on the host: each is a device synchronisation on CUDA. The input
+    pipeline (job/data) is left out: its tensors are host tensors on a GPU run too (the sampler's order)."""
+
+    NAMES = ("__bool__", "item", "tolist", "__float__", "__int__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, original))
+
+    def _counting(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(t: torch.Tensor, *args: Any) -> Any:
+            caller = traceback.extract_stack(limit=2)[0]
+            if HOST_SIDE not in Path(caller.filename).parents:
+                self.calls.append(f"{name} at {caller.filename}:{caller.lineno}")
+            return original(t, *args)
+
+        return counted
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_non_log_steps_never_read_a_tensor_on_the_host(
+    runtime: distributed.Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, optimizer: str
+) -> None:
+    extra = ["--optim.name", optimizer, "--optim.momentum", "0.9", "--log.every", "100", "--train.steps", "100"]
+    parts, plan, cfg = build(runtime, *extra, "--run.output-dir", str(tmp_path))
+    observer = Observer(
+        cfg, detect_env({}), None, parts.raw_model, parts.device, plan.global_batch_size, NullWriter(), 0
+    )
+    state = TrainState()
+    debug.install(cfg.debug.model_copy(update={"nan_at_steps": (1, 3)}), 0, parts, state)  # a skip among them
+    batches = parts.loaders.batches(state)
+    train_log = TrainLog(100, 100, plan.global_batch_size, parts.device, NullWriter(), observer)
+    syncs = HostSyncs(monkeypatch)
+    for _ in range(4):
+        train_log.before_step()
+        out = train_step(parts, batches, plan, state, cfg.train)
+        train_log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+        assert not train_log.due(state.step)
+    assert syncs.calls == []
+    monkeypatch.undo()
+    parts.guard.check(state.step, state)
+    assert state.nonfinite_skips == 2
+    assert all(torch.isfinite(p).all() for p in parts.raw_model.parameters())  # step 1's skip left no garbage

@@ -18,9 +18,10 @@ NAMES = {
     "data": "ImageFolder loader images/s vs what the trainer consumes",
     "checkpoint": "time training is blocked per checkpoint: sync, async, plain torch.save",
     "startup": "launch -> first optimizer step vs launch -> first collective of a bare script",
+    "sync-modes": "DDP ring all-reduce vs an RPC parameter server: step time, counted bytes, N = 2, 3, 4",
     "scaling": "GPU only: ResNet-50 bf16 channels_last images/s and MFU vs batch size",
 }
-USAGE = "usage: ddp-job bench NAME [--quick] [options]\n\n" + "".join(f"  {k:<11} {v}\n" for k, v in NAMES.items())
+USAGE = "usage: ddp-job bench NAME [--quick] [options]\n\n" + "".join(f"  {k:<12} {v}\n" for k, v in NAMES.items())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,4 +37,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             end="",
         )
         return 2
-    return int(importlib.import_module(f"{__name__}.{name}").main(rest))
+    return int(importlib.import_module(f"{__name__}.{name.replace('-', '_')}").main(rest))

@@ -111,8 +111,10 @@ def child_env(tmp: Path, **extra: str) -> dict[str, str]:
 
 
 def torchrun_cmd(nproc: int, target: Sequence[str]) -> list[str]:
-    """``torchrun --standalone --nproc-per-node N TARGET``; TARGET is ``-m job train ...`` or ``script.py ...``."""
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *target]
+    """``torchrun --standalone --nproc-per-node N TARGET``; TARGET is ``-m job train ...`` or ``script.py ...``.
+    Through ``python -m torch.distributed.run``: a torchrun script next to the interpreter is not there in every
+    install (a system interpreter with packages in a user or container prefix)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
 
 
 def run(cmd: Sequence[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:

@@ -68,9 +68,13 @@ class Checkpointer:
     def after_step(self, step: int) -> None:
         """The periodic save; the last step is saved by ``finish`` after the final evaluation."""
         self.cadence.step_done(step)
-        if step < self.total_steps and self.cadence.due(step):
+        if self.due(step):
             stall = self.save(step)
             self.cadence.saved(step, stall, self.manager.last_write_s)
+
+    def due(self, step: int) -> bool:
+        """Whether ``after_step`` saves at ``step``."""
+        return step < self.total_steps and self.cadence.due(step)
 
     def finish(self, step: int) -> None:
         """The end of the run: save the final step unless it was just saved, and wait until it is on disk."""

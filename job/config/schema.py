@@ -289,7 +289,9 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(0, ge=0)
     """Evaluate every N steps (0: only at the end)."""
     max_nonfinite_skips: int = Field(10, ge=0)
-    """Skip updates with a non-finite loss or gradient norm up to this many times, then stop with an error."""
+    """Skip updates with a non-finite loss or gradient norm up to this many times, then stop with an error (checked
+    at log and checkpoint steps). With fp16, GradScaler's overflow skips count too, and the limit is on skips in a
+    row."""
     stop_signals: tuple[str, ...] = STOP_SIGNALS
     """Signals that request save-and-exit (exit code 143). Remove one to leave it to another handler."""
 

@@ -169,18 +169,23 @@ class TrainLog:
         self.timer.add_data_wait(out.data_wait_s)
         self.timer.end_step()
         cross_rank = self.observer.step_done(step, self.timer)  # straggler/throughput/memory, profiler, progress file
-        if out.finite:
-            self.loss_sum += out.loss
+        self.loss_sum += torch.where(out.finite, out.loss, 0.0)  # a skipped step adds nothing, without the host
         if self.progress is not None:
             self.progress.update(1)
-        if step % self.every == 0 or step == self.total_steps:
+        if self.due(step):
             self._emit(step, out, lr, cross_rank)
 
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a log step."""
+        return step % self.every == 0 or step == self.total_steps
+
     def _emit(self, step: int, out: Any, lr: float, cross_rank: dict[str, float] | None) -> None:
+        # One transfer for both device values.
+        loss_sum, grad_norm = torch.stack([self.loss_sum.float(), out.grad_norm.detach().float()]).tolist()
         scalars = {
-            "train/loss": self.loss_sum.item() / max(self.timer.steps, 1),
+            "train/loss": loss_sum / max(self.timer.steps, 1),
             "train/lr": lr,
-            "train/grad_norm": float(out.grad_norm),
+            "train/grad_norm": grad_norm,
             "perf/peak_memory_mb": peak_memory_mb(self.device),
             **self.timer.summary(self.global_batch_size),
         }

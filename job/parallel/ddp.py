@@ -78,10 +78,16 @@ def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
 
 def apply_tf32(enabled: bool) -> None:
     """TF32 for fp32 matmuls and cuDNN convolutions (Ampere+). Off = IEEE fp32, which also turns off
-    torch's default of TF32 convolutions, so 'fp32' means the same in every layer."""
-    precision = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined]  # not in torch's stubs
+    torch's default of TF32 convolutions, so 'fp32' means the same in every layer.
+
+    Set through the legacy API on purpose: torch maps it onto the new ``fp32_precision`` flags, so both APIs'
+    getters read it back; after a set through the new API the legacy getters (``allow_tf32``,
+    ``get_float32_matmul_precision``, which inductor's autotuning reads) raise for a mix of the two APIs."""
+    matmul = "highest"
+    if enabled:
+        matmul = "high"  # TF32 where the device has it
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 class DataParallelBaseline(nn.DataParallel):
@@ -118,6 +124,41 @@ class CommCounter:
 
 # The counter of each wrapped model that counts its all-reduce calls (ddp.comm_stats); weak: dies with the model.
 _COMM_COUNTERS: weakref.WeakKeyDictionary[nn.Module, CommCounter] = weakref.WeakKeyDictionary()
+
+
+class PowerSgdReset:
+    """PowerSGD carries state across steps: the compression error (error feedback) and Q (warm start). A step
+    whose gradients were non-finite leaves NaN/Inf in both for good; after a skipped update this puts them back
+    on the device, without the host: the error to zero (nothing owed), Q to the last finite step's (random at
+    first, as the hook starts)."""
+
+    def __init__(self, state: powerSGD_hook.PowerSGDState) -> None:
+        self.state = state
+        self.good_q: dict[int, torch.Tensor] = {}
+
+    def after_update(self, found_inf: torch.Tensor) -> None:
+        """After the step's update; ``found_inf`` (0-d, 1 = the update was skipped) from the non-finite guard."""
+        skipped = found_inf.bool()
+        for error in self.state.error_dict.values():
+            error.masked_fill_(skipped, 0.0)
+        for bucket, q in self.state.q_memory_dict.items():
+            good = self.good_q.get(bucket)
+            if good is None:
+                g = torch.Generator(q.device).manual_seed(bucket)
+                good = self.good_q[bucket] = torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype)
+            q.copy_(torch.where(skipped, good, q))
+            good.copy_(q)
+
+
+# The PowerSGD reset of each wrapped model that uses the hook (after_update); weak: dies with the model.
+_POWERSGD_RESETS: weakref.WeakKeyDictionary[nn.Module, PowerSgdReset] = weakref.WeakKeyDictionary()
+
+
+def after_update(model: nn.Module, found_inf: torch.Tensor) -> None:
+    """After every optimizer step: the comm hook's state made good again after a skipped update."""
+    reset = _POWERSGD_RESETS.get(model)
+    if reset is not None:
+        reset.after_update(found_inf)
 
 
 def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
@@ -169,6 +210,8 @@ def wrap_model(
         _COMM_COUNTERS[model] = counter  # read by comm_summary()
     elif d.comm_hook != "none":  # no hook = DDP's built-in C++ all-reduce (the fastest plain path)
         model.register_comm_hook(state, hook)
+    if isinstance(state, powerSGD_hook.PowerSGDState):
+        _POWERSGD_RESETS[model] = PowerSgdReset(state)
     return model
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import numpy as np
@@ -67,6 +69,24 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
     )
 
 
+FLIGHT_RECORDER_ENTRIES = "2000"
+"""The NCCL flight recorder's entries per rank when the environment sets none."""
+
+
+def flight_recorder_env(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
+    """The NCCL flight recorder's variables this job sets where the environment leaves them unset (an explicit
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE=0`` keeps it off): on a collective timeout each rank dumps its last
+    collectives to ``<run_dir>/nccl_trace_rank_<rank>`` (docs/doctor.md). Read by NCCL process groups only."""
+    defaults = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / "nccl_trace_rank_"),
+    }
+    if "TORCH_FR_BUFFER_SIZE" in environ:  # the newer name of the buffer size
+        defaults.pop("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    return {k: v for k, v in defaults.items() if k not in environ}
+
+
 def setup(env: DistEnv, cfg: DistConfig) -> Runtime:
     """Bind the device and initialise the default process group with the init timeout."""
     backend = pick_backend(cfg, torch.cuda.is_available())
@@ -77,18 +97,22 @@ def setup(env: DistEnv, cfg: DistConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
+    # Bound to its device, NCCL creates the communicator eagerly and never guesses the device from the rank.
+    device_id = None
+    if device.type == "cuda":
+        device_id = device
     if env.launcher in ("torchrun", "env"):
         # torchrun workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE); env:// knows how.
-        dist.init_process_group(
-            backend, init_method="env://", timeout=timeout, device_id=device if device.type == "cuda" else None
-        )
+        dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
     elif env.world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store: dist.Store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
     else:
         store = dist.TCPStore(
             env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout
         )
-        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        rank, world = env.rank, env.world_size
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id)
     control = None
     if backend == "nccl":
         control = cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=timeout))

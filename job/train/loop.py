@@ -13,6 +13,7 @@ from job.config import JobConfig, config_to_dict
 from job.config.plan import Plan
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 from job.observe.metrics import NullWriter, TrainLog, hparams
+from job.observe.watchdog import Watchdog
 from job.parallel import ddp, distributed
 from job.train.evaluate import Evaluator
 from job.train.parts import Parts
@@ -39,18 +40,31 @@ class Run:
     log: TrainLog
     writer: NullWriter
     stop_vote: distributed.StepFlagVote
+    watchdog: Watchdog | None = None
+    """Armed around each step once the first step is done (job.observe.watchdog)."""
 
 
 def train_loop(run: Run) -> int:
     """Train to ``plan.total_steps`` or to a stop request; returns the exit code (0, or 143 after saving)."""
     first_step = run.state.step + 1
-    while run.state.step < run.plan.total_steps:
-        stop = iteration(run)
-        if run.state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
-            distributed.set_train_timeout(run.rt, run.cfg.dist.train_timeout_s)
-        if stop:
-            return preempted(run)
-    return finish(run)
+    try:
+        while run.state.step < run.plan.total_steps:
+            stop = iteration(run)
+            if run.state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
+                _fail_fast(run)
+            if stop:
+                return preempted(run)
+        return finish(run)
+    finally:
+        if run.watchdog is not None:
+            run.watchdog.close()
+
+
+def _fail_fast(run: Run) -> None:
+    """The short collective timeout, and the watchdog that reports a stall before NCCL aborts the process."""
+    timeout = run.cfg.dist.train_timeout_s
+    distributed.set_train_timeout(run.rt, timeout)
+    run.watchdog = Watchdog(run.stop, timeout, run.cfg.run_dir, run.env.rank, run.env.world_size)
 
 
 def iteration(run: Run) -> bool:
@@ -58,9 +72,16 @@ def iteration(run: Run) -> bool:
     (the checkpoint of a stopping step is the preemption save's)."""
     state, parts = run.state, run.parts
     run.log.before_step()
+    if run.watchdog is not None:
+        run.watchdog.arm()
     run.stop_vote.start(run.stop.local())
     out = train_step(parts, run.batches, run.plan, state, run.cfg.train, run.stop)
+    if run.log.due(state.step) or run.checkpointer.due(state.step):  # the count is saved and logged up to date
+        parts.guard.check(state.step, state)
     run.log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+    if run.watchdog is not None:
+        # Evaluation and checkpoints take as long as they take; the stop vote is on gloo, which raises on timeout.
+        run.watchdog.disarm()
     run.evaluator.after_step(state.step)
     if stop_agreed(run):
         return True
@@ -77,6 +98,7 @@ def stop_agreed(run: Run) -> bool:
 
 def preempted(run: Run) -> int:
     step = run.state.step
+    run.parts.guard.check(step, run.state)
     log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
     run.checkpointer.save(step)
     # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
@@ -91,6 +113,7 @@ def preempted(run: Run) -> int:
 def finish(run: Run) -> int:
     """The end of a completed run: final evaluation, the last checkpoint, the FINAL line."""
     step, is_main = run.state.step, run.env.is_main
+    run.parts.guard.check(step, run.state)
     results = run.evaluator.results()
     if is_main and run.parts.ema is not None:  # the headline metric (the task's first) and the loss
         headline = dict.fromkeys((run.parts.metric_names[0], "loss"))

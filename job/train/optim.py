@@ -1,6 +1,6 @@
 """Optimizer with no-decay parameter groups, and the LR schedule from torch.optim.lr_scheduler.
 
-Optimizers: torch SGD / AdamW (fused kernels on CUDA, foreach elsewhere) and the large-batch optimizers
+Optimizers: torch SGD / AdamW (fused kernels; foreach under ZeRO) and the large-batch optimizers
 LARS / LAMB from timm (``timm.optim.Lars``, ``timm.optim.Lamb``: maintained implementations, not ours).
 ``optim.zero`` shards any of them over ranks with ZeroRedundancyOptimizer (job.parallel.ddp).
 
@@ -45,21 +45,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _impl_kwargs(device: torch.device, zero: bool) -> dict[str, bool]:
-    # fused kernels exist for CUDA; foreach (multi-tensor) is the fast path elsewhere. Under ZeRO, foreach
-    # on CUDA too: ZeroRedundancyOptimizer.load_state_dict moves 0-d "step" tensors to the CPU, which the
-    # fused kernels refuse.
-    return {"fused": True} if device.type == "cuda" and not zero else {"foreach": True}
+def _impl_kwargs(zero: bool) -> dict[str, bool]:
+    # fused kernels (CUDA and CPU) skip a non-finite update on the device (job.train.guard). Under ZeRO, foreach:
+    # ZeroRedundancyOptimizer.load_state_dict moves 0-d "step" tensors to the CPU, which the fused kernels refuse.
+    if zero:
+        return {"foreach": True}
+    return {"fused": True}
 
 
 def optimizer_spec(cfg: OptimConfig, lr: float, device: torch.device) -> tuple[type[Optimizer], dict[str, Any]]:
     """(class, keyword arguments) of the configured optimizer; weight decay comes per parameter group."""
     if cfg.name == "sgd":
-        return torch.optim.SGD, dict(
-            lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_impl_kwargs(device, cfg.zero)
-        )
+        return torch.optim.SGD, dict(lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_impl_kwargs(cfg.zero))
     if cfg.name == "adamw":
-        return torch.optim.AdamW, dict(lr=lr, betas=cfg.betas, **_impl_kwargs(device, cfg.zero))
+        return torch.optim.AdamW, dict(lr=lr, betas=cfg.betas, **_impl_kwargs(cfg.zero))
     from timm.optim import Lamb, Lars  # imported on demand: timm's import costs ~1 s
 
     if cfg.name == "lars":

@@ -25,6 +25,7 @@ from job.tasks.contract import Bound
 from job.tasks.load import load_task
 from job.tasks.preflight import Checked, check_task, transfer
 from job.train.ema import Ema, build_ema
+from job.train.guard import NonFiniteGuard
 from job.train.optim import build_optimizer, build_scheduler
 
 
@@ -46,6 +47,8 @@ class Parts:
     """The training problem: loss and metrics (job.tasks.contract)."""
     metric_names: tuple[str, ...]
     autocast: contextlib.AbstractContextManager[Any]
+    guard: NonFiniteGuard
+    """Skips non-finite updates on the device and counts them (job.train.guard)."""
 
     def to_device(self, batch: Any) -> Any:
         """A batch as the task's loss and metrics take it, on the training device."""
@@ -94,6 +97,7 @@ def build_parts(
         task=task,
         metric_names=checked.metric_names,
         autocast=autocast(cfg.train.precision, device),
+        guard=NonFiniteGuard(optimizer, device, cfg.train.max_nonfinite_skips, cfg.train.precision == "fp16"),
     )
 
 

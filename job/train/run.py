@@ -25,6 +25,7 @@ from job.checkpoint import store as ckpt
 from job.checkpoint.checkpointer import Checkpointer
 from job.checkpoint.resume import agree_on_checkpoint, find_resume
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
+from job.cluster import gpu
 from job.cluster.env import DistEnv, detect_env, interruptions
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
@@ -62,6 +63,7 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
     """Every check that needs no process group, device or write: bad input fails here with exit 2, before
     the doctor's quick checks (which write doctor.json) and before run() writes config.yaml."""
     cuda = torch.cuda.is_available()
+    gpu.check_node(os.environ)  # a GPU node whose CUDA is unusable would train on the CPU
     plan = make_plan(cfg, env.world_size)
     parallel.validate(cfg, env.world_size, cuda)
     if cfg.train.precision == "fp16" and not cuda:
@@ -127,6 +129,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
     quick = None
     if cfg.doctor.enabled:  # the doctor's quick checks, around the process group created here
         quick = doctor.quick_local(cfg, env, environ, preflight_probes(pre))
+    os.environ.update(distributed.flight_recorder_env(os.environ, cfg.run_dir))  # read at process-group creation
     rt = distributed.setup(env, cfg.dist)
     try:
         if quick is not None:

@@ -5,7 +5,6 @@ the update. A plain function of the run's parts: a test calls it in-process at w
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,10 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from job.config import TrainConfig
 from job.config.plan import Plan
-from job.errors import NonFiniteError
+from job.parallel import ddp
 from job.train.parts import Parts
-
-log = logging.getLogger("job")
 
 
 @dataclass
@@ -41,8 +38,8 @@ class StepOutput:
     """Sum over the micro-batches of (loss / grad_accum_steps): this rank's mean loss of the step (on device)."""
     grad_norm: torch.Tensor
     """Global gradient norm after the all-reduce (before clipping)."""
-    finite: bool
-    """Whether loss and gradient norm were finite (identical on every rank)."""
+    finite: torch.Tensor
+    """Whether loss and gradient norm were finite (identical on every rank; a 0-d bool on the device)."""
     data_wait_s: float
     """Seconds this rank waited for its micro-batches."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -64,8 +61,8 @@ def train_step(
 ) -> StepOutput:
     """Run optimizer step ``state.step + 1`` and advance ``state``.
 
-    Raises:
-        NonFiniteError: more than ``cfg.max_nonfinite_skips`` updates were skipped for non-finite values.
+    A non-finite update is skipped on the device and counted there; ``parts.guard.check`` at a log or checkpoint
+    step folds the count into ``state`` and enforces ``train.max_nonfinite_skips`` (job.train.guard).
     """
     where = where or _Nowhere()
     parts.model.train()
@@ -87,15 +84,15 @@ def train_step(
         step_loss += loss.detach()
         _accumulate(extras, values, plan.grad_accum_steps)
     grad_norm = _unscale_and_norm(parts, cfg.grad_clip_norm)
-    # One host sync per step: every rank holds the same all-reduced gradients, so all decide alike.
-    finite = bool(torch.isfinite(grad_norm) & torch.isfinite(step_loss))
-    _update(parts, state, cfg, finite)
+    # Every rank holds the same all-reduced gradients, so all decide alike, without the host.
+    found_inf = parts.guard.flag(grad_norm, step_loss)
+    _update(parts, found_inf)
     state.step += 1
     state.samples_seen += plan.global_batch_size
     where.where = f"the bookkeeping after step {state.step}"
     if parts.ema is not None:
         parts.ema.update(parts.raw_model, state.step)
-    return StepOutput(step_loss, grad_norm, finite, data_wait, extras)
+    return StepOutput(step_loss, grad_norm, found_inf == 0, data_wait, extras)
 
 
 def _accumulate(extras: dict[str, torch.Tensor], values: dict[str, torch.Tensor], grad_accum_steps: int) -> None:
@@ -124,25 +121,9 @@ def _unscale_and_norm(parts: Parts, clip_norm: float) -> torch.Tensor:
     return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
 
 
-def _update(parts: Parts, state: TrainState, cfg: TrainConfig, finite: bool) -> None:
-    if finite or parts.scaler.is_enabled():
-        parts.scaler.step(parts.optimizer)  # with fp16 the scaler itself skips non-finite steps
-    else:
-        state.nonfinite_skips += 1
-        log.warning(
-            "step %d: non-finite loss or gradient norm; update skipped (%d/%d)",
-            state.step + 1,
-            state.nonfinite_skips,
-            cfg.max_nonfinite_skips,
-        )
-        if state.nonfinite_skips > cfg.max_nonfinite_skips:
-            raise NonFiniteError(
-                f"step {state.step + 1}: more than train.max_nonfinite_skips={cfg.max_nonfinite_skips} "
-                f"updates skipped for non-finite loss/gradients. The newest checkpoint holds only finite values.",
-                "lower optim.lr, enable train.grad_clip_norm, or check the data.",
-                setting="train.max_nonfinite_skips",
-                value=cfg.max_nonfinite_skips,
-            )
+def _update(parts: Parts, found_inf: torch.Tensor) -> None:
+    parts.guard.update(found_inf)  # also skips GradScaler's fp16 overflows: their gradient norm is inf
+    ddp.after_update(parts.model, found_inf)
     parts.scaler.update()
     parts.optimizer.zero_grad(set_to_none=True)
     parts.scheduler.step()
