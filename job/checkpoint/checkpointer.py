@@ -1,5 +1,5 @@
-"""The run's checkpointing component: its cadence (every ``ckpt.every`` steps, at a stop request, at the
-end), and saving and restoring the run's ``States`` through a ``CheckpointManager``.
+"""The run's checkpointing component: its cadence (``ckpt.every`` N or auto: job.checkpoint.cadence, at a stop
+request, at the end), and saving and restoring the run's ``States`` through a ``CheckpointManager``.
 
 Every rank calls the same methods at the same steps (a save starts with collectives); only rank 0 writes.
 """
@@ -7,13 +7,18 @@ Every rank calls the same methods at the same steps (a save starts with collecti
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+from job.checkpoint.cadence import Auto, Fixed
 from job.checkpoint.states import States
 from job.checkpoint.store import CheckpointManager, Found, load_state
 
 log = logging.getLogger("job")
+
+RUN_TIME = "run_time_s"
+"""The manifest's record of the run's time up to the save (all attempts): what MTBF refinement divides."""
 
 
 class Checkpointer:
@@ -21,34 +26,55 @@ class Checkpointer:
         self,
         manager: CheckpointManager,
         states: States,
-        every: int,
+        cadence: Fixed | Auto,
         total_steps: int,
         meta: Callable[[], dict[str, Any]],
     ) -> None:
-        self.manager, self.states, self.every, self.total_steps, self.meta = manager, states, every, total_steps, meta
+        self.manager, self.states, self.cadence, self.total_steps, self.meta = (
+            manager,
+            states,
+            cadence,
+            total_steps,
+            meta,
+        )
         self.saved_step = -1
         """The newest step saved or restored by this run (identical on every rank)."""
+        self.saved_at = time.monotonic()
+        """When the newest save (or restore, or the start) happened: the checkpoint's age is measured from it."""
+        self._run_time_s = 0.0
+
+    def start(self, step: int) -> None:
+        """The loop begins after ``step`` (0, or the step restored)."""
+        self.cadence.start(step, self._run_time_s)
+        self.saved_at = time.monotonic()
 
     def restore(self, found: Found) -> None:
         self.states.load_state_dict(load_state(found))
         self.saved_step = found.step
+        self._run_time_s = float(found.manifest.get(RUN_TIME, 0.0))
         epoch = found.manifest.get("trainer", {}).get("epoch", 0)
         log.info("resumed from %s (step %d, epoch %d)", found.path, found.step, epoch)
 
-    def save(self, step: int) -> None:
-        """Every rank: gather what needs collectives, then rank 0 snapshots and writes (maybe in the background)."""
+    def save(self, step: int) -> float:
+        """Every rank: gather what needs collectives, then rank 0 snapshots and writes (maybe in the background).
+        Returns the seconds training stood still for it."""
+        t0 = time.perf_counter()
         self.saved_step = step
         self.states.gather()
-        self.manager.save(step, self.states.state_dict, self.meta())
+        self.manager.save(step, self.states.state_dict, {**self.meta(), RUN_TIME: self.cadence.run_time_s()})
+        self.saved_at = time.monotonic()
+        return time.perf_counter() - t0
 
     def after_step(self, step: int) -> None:
         """The periodic save; the last step is saved by ``finish`` after the final evaluation."""
+        self.cadence.step_done(step)
         if self.due(step):
-            self.save(step)
+            stall = self.save(step)
+            self.cadence.saved(step, stall, self.manager.last_write_s)
 
     def due(self, step: int) -> bool:
         """Whether ``after_step`` saves at ``step``."""
-        return bool(self.every) and step % self.every == 0 and step < self.total_steps
+        return step < self.total_steps and self.cadence.due(step)
 
     def finish(self, step: int) -> None:
         """The end of the run: save the final step unless it was just saved, and wait until it is on disk."""

@@ -238,6 +238,8 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging = HostStaging() if async_save and is_main else None
+        self.last_write_s = 0.0
+        """How long the newest finished write took (serialise, fsync, rename; rank 0)."""
 
     def clean_stale_tmp(self) -> None:  # also pruned checkpoints whose deletion was interrupted (_delete)
         """Remove torn saves left by a crash (never valid, never loaded)."""
@@ -269,9 +271,11 @@ class CheckpointManager:
 
     def _write_and_prune(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         try:
+            t0 = time.perf_counter()
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
             path = _write_checkpoint(self.run_dir, step, state, meta)
+            self.last_write_s = time.perf_counter() - t0
             log.info("saved checkpoint %s", path)
             self.prune(just_written=path)
         except BaseException as e:

@@ -683,3 +683,20 @@ def slurm_master_port(job_id: str) -> int:
     # anything else (het-job "123+1", array "123_4") is hashed, stably across processes unlike hash().
     key = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
     return SLURM_PORT_BASE + key % SLURM_PORT_SPAN
+
+
+RESTART_VARS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "JOBSET_RESTART_ATTEMPT")
+"""What each launcher counts its restarts in: Slurm's requeues of the job, torchrun's worker-group restarts
+(reset by a new Slurm attempt or pod), and the JobSet's restart attempt (the pod label
+``jobset.sigs.k8s.io/restart-attempt``, given to the container through the downward API)."""
+
+
+def interruptions(environ: Mapping[str, str]) -> int:
+    """How often this job has been interrupted so far, by every launcher's count (an unreadable count is 0:
+    it only refines an estimate)."""
+    total = 0
+    for name in RESTART_VARS:
+        raw = environ.get(name, "0").strip()
+        if raw.isdigit():
+            total += int(raw)
+    return total

@@ -36,6 +36,24 @@ BUILTIN_TASKS = ("image_classification", "causal_lm")
 """The task.name values the job ships (job.tasks); any other value must be a package.module:callable import path."""
 
 
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+"""The units a duration setting may carry (no unit: seconds)."""
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: a positive number with an optional unit of ``DURATION_UNITS`` ("90s", "1.5h")."""
+    raw = str(text).strip().lower()
+    scale = DURATION_UNITS.get(raw[-1:], 0.0)
+    number = raw[:-1] if scale else raw
+    try:
+        seconds = float(number) * (scale or 1.0)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{text!r} is not a positive duration; write a number with s, m, h or d, e.g. 6h or 30m")
+    return seconds
+
+
 class RunConfig(BaseModel):
     """What this run is called and where it writes."""
 
@@ -290,8 +308,15 @@ class CkptConfig(BaseModel):
     """Checkpoints."""
 
     model_config = _SECTION
-    every: int = Field(0, ge=0)
-    """Save every N optimizer steps (0: only at the end and on preemption)."""
+    every: int | Literal["auto"] = 0
+    """Save every N optimizer steps (0: only at the end and on preemption), or auto: the interval that wastes
+    least for the measured save stall and ckpt.mtbf (Daly's optimum, docs/checkpoint-interval.md)."""
+    mtbf: str = "24h"
+    """ckpt.every=auto: mean time between interruptions of this job (a duration: 90s, 30m, 6h, 2d or seconds);
+    refined from the launcher's restart counts once the job has been interrupted."""
+    grace_s: float = Field(0.0, ge=0)
+    """Seconds from a stop signal to the launcher's hard kill, where known (Slurm --signal lead time, the pod's
+    terminationGracePeriodSeconds; 0: unknown). ckpt.every=auto warns when a measured save does not fit in it."""
     keep_last: int = Field(3, ge=1)
     """Keep the newest K complete checkpoints (never deletes the only valid one)."""
     resume: bool = True
@@ -302,6 +327,29 @@ class CkptConfig(BaseModel):
     """Allow resuming with a different world size (data position is mapped by samples seen)."""
     allow_config_change: bool = False
     """Allow resuming when training-relevant settings differ from the checkpoint's config."""
+
+    @field_validator("every", mode="before")
+    @classmethod
+    def _every_is_steps_or_auto(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        try:
+            steps = int(v)
+        except (TypeError, ValueError):
+            steps = -1
+        if steps < 0 or str(v).strip() != str(steps):
+            raise ValueError(f"{v!r} is neither a step count >= 0 nor auto")
+        return steps
+
+    @field_validator("mtbf")
+    @classmethod
+    def _mtbf_is_a_duration(cls, v: str) -> str:
+        parse_duration(v)
+        return v
+
+    @property
+    def mtbf_s(self) -> float:
+        return parse_duration(self.mtbf)
 
 
 class LogConfig(BaseModel):

@@ -168,6 +168,13 @@ class StepFlagVote:
         return bool(self._flag.item())
 
 
+def broadcast_from_main(values: list[float], rt: Runtime) -> list[float]:
+    """Rank 0's ``values`` on every rank (float64 on the CPU control group: no GPU sync)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.broadcast(t, src=0, group=rt.control_group)
+    return [float(v) for v in t.tolist()]
+
+
 def barrier(rt: Runtime) -> None:
     dist.barrier(group=rt.control_group)
 

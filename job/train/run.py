@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
+from job.checkpoint import cadence
 from job.checkpoint import store as ckpt
 from job.checkpoint.checkpointer import Checkpointer
 from job.checkpoint.resume import agree_on_checkpoint, find_resume
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
-from job.cluster.env import DistEnv, detect_env
+from job.cluster.env import DistEnv, detect_env, interruptions
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
 from job.doctor import phases as doctor
@@ -73,6 +74,8 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
             value="fp16",
         )
     _check_run_dir(cfg)
+    if cfg.ckpt.every == "auto":
+        cadence.check_grace(cfg.ckpt.grace_s, cfg.debug.ckpt_write_delay_s)
     found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
     if found is not None and cfg.model.weights and env.is_main:
         log.info("resuming: model.weights=%s is not loaded (the checkpoint holds the weights)", cfg.model.weights)
@@ -167,15 +170,16 @@ def build_run(
     parts = build_parts(cfg, env, plan, rt, pre.task, pre.checked, initial_weights=found is None)
     state = TrainState()
     debug.install(cfg.debug, env.rank, parts, state)
-    checkpointer = _checkpointer(cfg, env, plan, rt, parts, state)
+    writer = cleanup.enter_context(
+        contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir))
+    )
+    checkpointer = _checkpointer(cfg, env, plan, rt, parts, state, writer)
     cleanup.callback(checkpointer.manager.close)
     stop.busy = checkpointer.manager.in_flight
     agree_on_checkpoint(found, rt.control_group)
     if found is not None:
         checkpointer.restore(found)
-    writer = cleanup.enter_context(
-        contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir))
-    )
+    checkpointer.start(state.step)
     writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
     observer = observe.Observer(
         cfg,
@@ -226,7 +230,13 @@ def start_run_dir(cfg: JobConfig, env: DistEnv, plan: Plan, stop: StopRequest, r
 
 
 def _checkpointer(
-    cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, parts: Parts, state: TrainState
+    cfg: JobConfig,
+    env: DistEnv,
+    plan: Plan,
+    rt: distributed.Runtime,
+    parts: Parts,
+    state: TrainState,
+    writer: metrics.NullWriter,
 ) -> Checkpointer:
     """The checkpoint registry (one line per stateful part, in restore order) and its cadence."""
     layout = Layout(env.world_size, plan)
@@ -255,7 +265,19 @@ def _checkpointer(
             "plan": asdict(plan),
         }
 
-    return Checkpointer(manager, states, cfg.ckpt.every, plan.total_steps, meta)
+    return Checkpointer(manager, states, _cadence(cfg, rt, writer), plan.total_steps, meta)
+
+
+def _cadence(cfg: JobConfig, rt: distributed.Runtime, writer: metrics.NullWriter) -> cadence.Fixed | cadence.Auto:
+    if cfg.ckpt.every != "auto":
+        return cadence.Fixed(cfg.ckpt.every)
+    return cadence.Auto(
+        cfg.ckpt.mtbf_s,
+        interruptions(os.environ),
+        cfg.ckpt.grace_s,
+        agree=lambda values: distributed.broadcast_from_main(values, rt),
+        report=writer.scalars,
+    )
 
 
 def _progress(cfg: JobConfig, env: DistEnv, start: int, total: int) -> Any:
