@@ -2,7 +2,8 @@
 
 Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace; the
 container's command runs as written with the operator's environment; restarts follow restartPolicy.
-Faults: kill -9 of a worker pod, SIGTERM to every pod (node drain), a worker pod that joins late.
+Faults: kill -9 of a worker pod, SIGTERM to every pod (node drain, with the image task and the language-model
+task), a worker pod that joins late.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 from support import k8s_sim as ks
 from support import k8s_validate as kv
+from support import lm
 from support.ci import require
+from test_faults import assert_bitwise_equal
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 420  # per job; a loaded 2-core machine is 5-10x slower than an idle one
@@ -343,3 +347,57 @@ def test_elastic_worker_joins_late(tmp_path: Path) -> None:
     assert re.search(r"rank \d/4 local \d/2 node \d/2", log1)  # then a 4-process group
     saved = re.findall(r"saving at step (\d+) and exiting 143", log0)  # the agent restarts the group
     assert saved and _resumed_steps(log1)[0] == int(saved[0]) and _final_step(log0 + log1) == _steps(sim)
+
+
+def _language_model(docs: list[dict], workdir: Path, corpus: Path) -> list[dict]:
+    """cpu-smoke's manifests training the language-model task (support.lm) over ``corpus``, copied onto the
+    simulated PVC; rank 0 sleeps 0.5 s before each step after the first checkpoint (a testing aid that does
+    not change the math) so that a drain then lands mid-run."""
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "job.yaml" in d.get("data", {})]
+    cfg = yaml.safe_load(cm["data"]["job.yaml"])
+    every, steps = cfg["ckpt"]["every"], cfg["train"]["steps"]
+    cfg = lm.job_config(cfg, "/workspace/pycorpus")
+    cfg["debug"] = {"straggler_delay_s": 0.5, "straggler_rank": 0, "straggler_steps": list(range(every + 1, steps + 1))}
+    cm["data"]["job.yaml"] = yaml.safe_dump(cfg)
+    shutil.copytree(corpus, workdir / "pvc" / "ddp-job-workspace" / "pycorpus")
+    return docs
+
+
+def _uninterrupted(docs: list[dict], workdir: Path) -> tuple[Path, str]:
+    """The run directory and the master's log of the manifests run to completion."""
+    with ks.Simulation(docs, workdir) as sim:
+        sim.start()
+        assert sim.wait(TIMEOUT) == "Succeeded", sim.log("ddp-smoke-master-0")[-4000:]
+    return _run_dir(sim), sim.log("ddp-smoke-master-0")
+
+
+def test_language_model_node_drain_resumes_bitwise(tmp_path: Path) -> None:
+    """The language-model task drained after its first checkpoint (SIGTERM to every pod): the pods are
+    recreated, resume from the step every rank stopped at, and end bitwise equal to an uninterrupted run of
+    the same manifests (run beside it, in its own simulation): parameters, optimizer state and validation."""
+    from job.checkpoint import store
+
+    corpus = lm.make_corpus(tmp_path / "pycorpus")
+    ref_docs = _language_model(kv.render(kv.K8S / "overlays" / "cpu-smoke"), tmp_path / "ref", corpus)
+    docs = _language_model(kv.render(kv.K8S / "overlays" / "cpu-smoke"), tmp_path / "drained", corpus)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_uninterrupted, ref_docs, tmp_path / "ref")
+        with ks.Simulation(docs, tmp_path / "drained") as sim:
+            sim.start()
+            first = _first_checkpoint(sim)
+            _wait_for(f"checkpoint {first.name}", first.is_dir)
+            sim.evict(list(sim.pods))
+            assert sim.wait(TIMEOUT) == "Succeeded", sim.log("ddp-smoke-master-0")[-4000:]
+        ref_dir, ref_log = reference.result(timeout=TIMEOUT)
+    log = sim.log("ddp-smoke-master-0")
+    assert all(p.exit_codes[0] == 143 and p.generation == 1 for p in sim.pods.values()), sim.events
+    stopped = [int(s) for s in re.findall(r"saving at step (\d+) and exiting 143", log)]
+    assert stopped and _config(sim)["ckpt"]["every"] <= stopped[0] < _steps(sim), stopped
+    assert set(_resumed_steps(log + sim.log("ddp-smoke-worker-0"))) == {stopped[0]}
+    want = store.load_state(store.find_latest(ref_dir))  # type: ignore[arg-type]
+    got = store.load_state(store.find_latest(_run_dir(sim)))  # type: ignore[arg-type]
+    for key in ("model", "optimizer"):
+        assert_bitwise_equal(want[key], got[key], key)
+    assert want["trainer"] == got["trainer"]
+    final = re.compile(r"^FINAL (.*) run_dir=", re.M)
+    assert final.findall(log)[-1:] == final.findall(ref_log)[-1:] != [], "validation differs"

@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,9 @@ import yaml
 from support import k8s_sim as ks
 from support import k8s_trainjob_sim as ts
 from support import k8s_validate as kv
+from support import lm
 from support.ci import require
+from test_faults import assert_bitwise_equal
 
 from job.cluster.env import detect_env
 
@@ -295,3 +298,56 @@ def test_doctor_in_a_trainjob(tmp_path: Path) -> None:
     report = json.loads((_run_dir(sim) / "doctor.json").read_text())
     assert report["world_size"] == 4 and {r["host"] for r in report["ranks"]} == {NODE0, NODE1}
     assert not list(_run_dir(sim).glob("step-*")), "doctor must not train"
+
+
+def _language_model(overlay: str, workdir: Path, corpus: Path) -> list[dict]:
+    """The overlay as ``_render`` makes it, training the language-model task (support.lm) over ``corpus``,
+    copied onto the simulated PVC."""
+    docs = _render(overlay)
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    cm["data"]["job.yaml"] = yaml.safe_dump(
+        lm.job_config(yaml.safe_load(cm["data"]["job.yaml"]), "/workspace/pycorpus")
+    )
+    shutil.copytree(corpus, workdir / "pvc" / "ddp-job-workspace" / "pycorpus")
+    return docs
+
+
+def _uninterrupted(docs: list[dict], workdir: Path) -> tuple[Path, str]:
+    """The run directory and node 0's log of the manifests run to completion."""
+    with ts.TrainJobSimulation(docs, workdir) as sim:
+        sim.start()
+        assert sim.wait(TIMEOUT) == ts.COMPLETE, sim.log(NODE0)[-4000:]
+    return _run_dir(sim), sim.log(NODE0)
+
+
+def test_language_model_suspended_and_resumed_ends_bitwise(tmp_path: Path) -> None:
+    """The language-model task suspended after its first checkpoint, as Kueue preempts (SIGTERM to every pod),
+    and resumed with new pods: every rank resumes from the step all stopped at, and the run ends bitwise equal
+    to an uninterrupted run of the same manifests (run beside it, in its own simulation): parameters,
+    optimizer state and validation."""
+    from job.checkpoint import store
+
+    corpus = lm.make_corpus(tmp_path / "pycorpus")
+    ref_docs = _language_model("cpu-smoke", tmp_path / "ref", corpus)
+    docs = _language_model("cpu-smoke-kueue", tmp_path / "suspended", corpus)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_uninterrupted, ref_docs, tmp_path / "ref")
+        with ts.TrainJobSimulation(docs, tmp_path / "suspended") as sim:
+            sim.start()
+            sim.resume()  # Kueue admits the workload
+            _wait_for("the first checkpoint", _checkpoint(sim, _config(sim)["ckpt"]["every"]).is_dir)
+            step, _, _ = _suspend_and_time(sim)
+            sim.resume()
+            assert sim.wait(TIMEOUT) == ts.COMPLETE, sim.log(NODE0)[-4000:]
+        ref_dir, ref_log = reference.result(timeout=TIMEOUT)
+    assert all(p.exit_codes == [143, 0] and p.generation == 1 for p in sim.pods.values()), sim.events
+    assert _config(sim)["ckpt"]["every"] < step < _config(sim)["train"]["steps"], step
+    for name in (NODE0, NODE1):
+        assert re.findall(r"resumed from \S+ \(step (\d+)", sim.log(name)) == [str(step)] * 2, name
+    want = store.load_state(store.find_latest(ref_dir))  # type: ignore[arg-type]
+    got = store.load_state(store.find_latest(_run_dir(sim)))  # type: ignore[arg-type]
+    for key in ("model", "optimizer"):
+        assert_bitwise_equal(want[key], got[key], key)
+    assert want["trainer"] == got["trainer"]
+    final = re.compile(r"^FINAL (.*) run_dir=", re.M)
+    assert final.findall(sim.log(NODE0))[-1:] == final.findall(ref_log)[-1:] != [], "validation differs"

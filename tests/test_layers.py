@@ -1,11 +1,17 @@
 """The import graph of job/ has no cycles: between packages (a top-level module such as job/errors.py is a
 node of its own), and between the modules of one package. Every import counts, at module level or inside a
 function (a deferred import hides a cycle from Python, not from the reader), relative or absolute, and
-``from job.pkg import name`` counts as an import of ``job/pkg/name.py`` when that file exists."""
+``from job.pkg import name`` counts as an import of ``job/pkg/name.py`` when that file exists.
+
+Start-up pays for every module imported: importing the trainer leaves out what only some runs use (the image
+task's torchvision, with the torch._dynamo it pulls in; TensorBoard; the optional decoders and optimizers)."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -123,3 +129,16 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     graph = {name: set(_imported(name, path, modules)) for name, path in modules.items()}
     assert graph["job.a.x"] == {"job.a.y"} and graph["job.a.y"] == {"job.a.z"} and graph["job.a.z"] == {"job.a.x"}
     assert _cycle(graph) == ["job.a.x", "job.a.y", "job.a.z", "job.a.x"]
+
+
+# What ``import job.train.run`` must not import: each is imported where a run uses it (an image task's model,
+# data and augmentation; the TensorBoard writer; data.decode=device; WebDataset shards; timm's optimizers).
+OPTIONAL = ("torchvision", "torch._dynamo", "tensorboard", "torch.utils.tensorboard", "torchcodec", "wids", "timm")
+
+
+def test_importing_the_trainer_leaves_the_optional_libraries_out() -> None:
+    code = "import sys, json, job.train.run; print(json.dumps(sorted(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    loaded = set(json.loads(r.stdout))
+    assert "job.train.run" in loaded
+    assert [name for name in OPTIONAL if name in loaded] == []

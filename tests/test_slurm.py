@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from support import lm
 from support.ci import require
 from support.cli import make_data
 from support.runs import rank_pids, tfevents_writer
@@ -123,6 +124,23 @@ def train_args(data: Path, steps: int = STEPS, *extra: str) -> list[str]:
         "--log.progress",
         "off",
         *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def pycorpus(tmp_path_factory: pytest.TempPathFactory, slurm_env: dict[str, str]) -> Path:
+    return lm.make_corpus(tmp_path_factory.mktemp("corpus") / "pycorpus")
+
+
+def lm_args(corpus: Path) -> list[str]:
+    """The causal language-model task at its smallest (support.lm), as the image job trains: 12 steps of a
+    global batch of 8, a checkpoint every 2."""
+    options = {"path": str(corpus), **lm.OPTIONS}
+    return [
+        *("--task.name", "causal_lm", "--task.options", json.dumps(options)),
+        *("--data.num-workers", "0", "--optim.name", "adamw", "--optim.lr", "0.003", "--sched.name", "constant"),
+        *("--train.steps", str(STEPS), "--train.global-batch-size", "8", "--ckpt.every", "2"),
+        *("--log.every", "1", "--log.progress", "off", "--log.tensorboard", "false"),
     ]
 
 
@@ -278,16 +296,24 @@ def drive_time_limit(job: SbatchJob) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def sbatch_jobs(
-    slurm_env: dict[str, str], shapes: Path, tmp_path_factory: pytest.TempPathFactory
+    slurm_env: dict[str, str], shapes: Path, pycorpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, tuple[SbatchJob, Future]]]:
     work = tmp_path_factory.mktemp("sbatch")
-    args = train_args(shapes)
+    args, lm = train_args(shapes), lm_args(pycorpus)
     jobs = {
         "reference": sbatch(slurm_env, work / "ref", args),
         "preempted": sbatch(slurm_env, work / "pre", [*args, *slow_steps(0.5)]),
         "time_limit": sbatch(slurm_env, work / "tl", [*args, *slow_steps(4.0)], "--time=20", "--signal=B:USR2@600"),
+        "lm_reference": sbatch(slurm_env, work / "lm-ref", lm),
+        "lm_preempted": sbatch(slurm_env, work / "lm-pre", [*lm, *slow_steps(0.5)]),
     }
-    drivers = {"reference": drive_reference, "preempted": drive_preempted, "time_limit": drive_time_limit}
+    drivers = {
+        "reference": drive_reference,
+        "preempted": drive_preempted,
+        "time_limit": drive_time_limit,
+        "lm_reference": drive_reference,
+        "lm_preempted": drive_preempted,
+    }
     with ThreadPoolExecutor(len(jobs)) as pool:
         yield {name: (job, pool.submit(drivers[name], job)) for name, job in jobs.items()}
         for job in jobs.values():
@@ -370,6 +396,28 @@ def test_time_limit_signal_requeues_and_resumes(sbatch_jobs: dict[str, tuple[Sba
     assert resumed and 2 <= int(resumed.group(1)) < STEPS, "attempt 1 did not resume mid-run"
     timing("time limit shortened to Slurm's signal", job.events["signal"] - job.events["limit_shortened"])
     assert_same_params(job.run_dir, ref.run_dir)
+
+
+def test_language_model_preempted_and_requeued_resumes_bitwise(
+    sbatch_jobs: dict[str, tuple[SbatchJob, Future]],
+) -> None:
+    """The causal language-model task through the same two preemptions as the image job (USR2 to the batch
+    shell, then `scontrol requeue` from outside): each requeued attempt resumes from the step the previous one
+    saved, and the run ends bitwise where the uninterrupted one does, parameters and validation metrics."""
+    ref, ref_info = outcome(sbatch_jobs, "lm_reference")
+    assert ref_info["JobState"] == "COMPLETED", ref.log[-4000:]
+    job, info = outcome(sbatch_jobs, "lm_preempted")
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", job.log[-6000:]
+    first, second = job.log.split("attempt 1:", 1)[1].split("attempt 2:", 1)
+    # every rank logs its resume: one step per attempt, the one the previous attempt saved on its stop
+    resumed = [{int(m) for m in re.findall(r"resumed from \S+ \(step (\d+),", a)} for a in (first, second)]
+    stopped_at = job.events["steps_before_requeue"]
+    assert resumed[0] == {stopped_at} and len(resumed[1]) == 1, (resumed, stopped_at)
+    assert 0 < stopped_at < min(resumed[1]) < STEPS, (resumed, stopped_at)
+    timing("language model, 2 preemptions, sbatch to completion", job.events["done"] - job.submitted)
+    assert_same_params(job.run_dir, ref.run_dir)
+    final = re.compile(r"^.*FINAL step=.* val_loss=(\S+) .*$", re.M)
+    assert final.findall(job.log)[-1:] == final.findall(ref.log)[-1:] != [], "validation differs"
 
 
 def test_doctor_through_the_sbatch_script(slurm_env: dict[str, str], shapes: Path, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import io
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,10 +32,12 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from job.config import DataConfig
-from job.data.augment import Crop, apply_eval, apply_train, draw_crop
 from job.data.sampler import sample_seed
 from job.data.workers import WorkerFailure, init_error, unreadable_image
 from job.errors import BadInput, JobError
+
+if TYPE_CHECKING:
+    from job.data.augment import Crop
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg")
 log = logging.getLogger("job")
@@ -137,6 +140,8 @@ class EncodedFiles(Dataset):
             return WorkerFailure(err)
 
     def _batch(self, keys: list[tuple[int, int] | int]) -> EncodedBatch:
+        from job.data.augment import draw_crop  # torchvision, imported by image runs only
+
         raws, crops, labels, paths = [], [], [], []
         for key in keys:
             epoch, index = key if isinstance(key, tuple) else (0, key)
@@ -165,6 +170,8 @@ def collate_encoded(batch: EncodedBatch | WorkerFailure) -> EncodedBatch | Worke
 # ----------------------------------------------------------------------------------------- decode
 def decode_batch(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's images, decoded and cropped on ``device``: uint8 ``B x 3 x S x S``."""
+    from job.data.augment import apply_eval, apply_train  # torchvision, imported by image runs only
+
     images = _decode(batch, device)
     size = batch.image_size
     if batch.crops is None:

@@ -11,17 +11,19 @@ DataLoader RNG need not be checkpointed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
-from torchvision.transforms import v2
 
 from job.data.sampler import sample_seed
 from job.data.workers import WorkerFailure, init_error, unreadable_image
 from job.errors import JobError
+
+if TYPE_CHECKING:  # the transforms come from the sources (job.data.augment): torchvision is theirs to import
+    from torchvision.transforms import v2
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 Batch = tuple[torch.Tensor, torch.Tensor]
