@@ -295,3 +295,56 @@ def test_doctor_in_a_trainjob(tmp_path: Path) -> None:
     report = json.loads((_run_dir(sim) / "doctor.json").read_text())
     assert report["world_size"] == 4 and {r["host"] for r in report["ranks"]} == {NODE0, NODE1}
     assert not list(_run_dir(sim).glob("step-*")), "doctor must not train"
+
+
+# ----------------------------------------------------------------------------- TrainJob status (progress)
+POST_TWICE = """
+import os, sys, time
+from job.observe.status import ReportFailed, Status
+from job.observe.trainjob import TrainJobProgress
+sink = TrainJobProgress.from_environ(os.environ)
+assert sink is not None, "no KUBEFLOW_TRAINER_SERVER_* variables"
+for step in (1, 2):
+    try:
+        sink.send(Status(step, 4, time.time(), 1.0, {"train/loss": 1.0 / step}))
+    except ReportFailed as e:
+        sys.exit(f"send {step}: {e}")
+    print("sent", step, flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_pod_reports_to_the_status_endpoint(tmp_path: Path) -> None:
+    """The TrainJobStatus gate on: each pod carries the plugin's three variables, resolves the controller's
+    Service name on the pods' network, trusts its CA from the projected volume and sends with its own token;
+    a send after a rotation carries the new token, which the controller accepts."""
+    docs = kv.render(OVERLAYS / "cpu-smoke")
+    trainer = next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]
+    rotate_s = 2.0
+    trainer["command"], trainer["args"] = ["python", "-c", POST_TWICE, str(rotate_s * 1.5)], []
+    with ts.TrainJobSimulation(docs, tmp_path, trainjob_status=True, token_rotate_s=rotate_s) as sim:
+        sim.start()
+        envs = {n: _environ(_wait_pid1(sim, n, b"TrainJobProgress")) for n in (NODE0, NODE1)}
+        condition = sim.wait(TIMEOUT)
+    assert condition == ts.COMPLETE, (sim.log(NODE0), sim.log(NODE1))
+    server = sim.status_server
+    assert server is not None
+    for name, pod in sim.pods.items():
+        assert envs[name] == ts.container_env(sim.job, sim.runtime, pod.index, trainjob_status=True), name
+        assert envs[name]["KUBEFLOW_TRAINER_SERVER_URL"] == (
+            "https://kubeflow-trainer-controller-manager.kubeflow-system.svc:10443"
+            "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs/ddp-smoke/status"
+        )
+        sent = [r for r in server.requests if r.claims()["kubernetes.io"]["pod"]["name"] == name]
+        assert [r.code for r in sent] == [200, 200], [(r.code, r.answer) for r in server.requests]
+        issued = [t for _, t in sim.tokens[f"{name}.0"]]
+        assert sent[0].token != sent[1].token and {r.token for r in sent} <= set(issued), name
+    assert server.trainer_status is not None and server.trainer_status["progressPercentage"] == 50
+
+
+def _wait_pid1(sim: ts.TrainJobSimulation, name: str, marker: bytes) -> int:
+    """The container's PID 1 once it runs the container's command (``marker`` in its command line)."""
+    pod = sim.pods[name]
+    _wait_for(f"{name}'s container", lambda: pod.pid1 is not None, 120)
+    _wait_for(f"{name}'s command", lambda: marker in Path(f"/proc/{pod.pid1}/cmdline").read_bytes(), 60)
+    return pod.pid1 or 0
