@@ -285,14 +285,18 @@ class StatusServer:
         self.slow_s = 8.0
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
+        self._open_socket: Callable[[Callable[[], ThreadingHTTPServer]], ThreadingHTTPServer] = lambda make: make()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ listening
     def up(self, open_socket: Callable[[Callable[[], ThreadingHTTPServer]], ThreadingHTTPServer] | None = None) -> None:
-        """Listen (again): ``open_socket(make)`` calls ``make`` where the socket must live (default: here)."""
+        """Listen (again): ``open_socket(make)`` calls ``make`` where the socket must live (default: here; a later
+        call without one uses the first one's)."""
         if self._httpd is not None:
             return
-        httpd = (open_socket or (lambda make: make()))(self._make)
+        if open_socket is not None:
+            self._open_socket = open_socket
+        httpd = self._open_socket(self._make)
         if self.port == 0:
             self.port = httpd.server_address[1]
         self._httpd = httpd
