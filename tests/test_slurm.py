@@ -26,6 +26,8 @@ from support.cli import make_data
 from support.runs import rank_pids, tfevents_writer
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
+from job.observe.report import SlurmComment
+from job.observe.status import ReportFailed, Status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 
@@ -508,3 +510,87 @@ def test_submitit_sweep_is_a_job_array(slurm_env: dict[str, str], shapes: Path, 
         lrs.add(re.search(r"^\s+lr: (\S+)", (run_dir / "config.yaml").read_text(), re.M).group(1))  # type: ignore[union-attr]
     assert lrs == {"0.05", "0.2"}
     assert out.count("done: exit=0") == 2, out
+
+
+# ------------------------------------------------------------------ progress in the job's comment
+COMMENT = re.compile(r"ddp-job (step|done) (\d+)/(\d+) (\d+)%")
+
+
+def comment_of(env: dict[str, str], jid: str) -> str | None:
+    """The job's comment as `scontrol show job` prints it (a line of its own: it may hold spaces)."""
+    out = sh(env, "scontrol", "show", "job", jid, check=False)
+    m = re.search(r"^\s*Comment=(.*?) ?$", out, re.M)
+    return m.group(1) if m else None
+
+
+def test_job_comment_shows_progress(slurm_env: dict[str, str], shapes: Path, tmp_path: Path) -> None:
+    """Rank 0 of a two-node sbatch job keeps the job's comment current: `scontrol show job` shows the step while
+    it runs, and the final status (done, 100 %, the last checkpoint) after it completed."""
+    args = [*train_args(shapes), "--report.slurm-every-s", "1", *slow_steps(1.0, first=1)]
+    job = sbatch(slurm_env, tmp_path, args)
+    while_running: list[str] = []
+
+    def finished() -> dict[str, str] | None:
+        info = job.info()
+        comment = comment_of(job.env, job.jid)
+        if info.get("JobState") == "RUNNING" and comment and comment not in while_running:
+            while_running.append(comment)
+        return info if info.get("JobState") in TERMINAL else None
+
+    info = wait_for(finished, 360, f"job {job.jid} to finish", poll=0.5)
+    assert info["JobState"] == "COMPLETED", job.log[-4000:]  # type: ignore[index]
+    running = [m for c in while_running if (m := COMMENT.match(c)) and m[1] == "step"]
+    assert any(0 < int(m[2]) < STEPS and int(m[3]) == STEPS for m in running), while_running
+    final = comment_of(job.env, job.jid)
+    assert final is not None and final.startswith(f"ddp-job done {STEPS}/{STEPS} 100% ckpt@{STEPS} age "), final
+    status = json.loads((job.run_dir / "status.json").read_text())
+    assert status["finished"] and status["last_checkpoint_step"] == STEPS
+    assert "progress reports to: status file, slurm comment" in job.log
+    assert "progress report to slurm comment failed" not in job.log
+
+
+def test_a_run_goes_on_when_scontrol_update_fails(slurm_env: dict[str, str], shapes: Path, tmp_path: Path) -> None:
+    """The job id does not exist (slurmctld answers "Invalid job id specified"): reported, retried at the
+    throttle with rate-limited messages, and the run completes."""
+    out = tmp_path / "runs"
+    args = [*train_args(shapes, 6), "--run.output-dir", str(out), "--report.slurm-every-s", "1"]
+    args += slow_steps(0.5, first=1)
+    env = dict(slurm_env, SLURM_JOB_ID="999999")
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ddp-job"), "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    warned = [line for line in proc.stdout.splitlines() if "progress report to slurm comment" in line]
+    assert len(warned) == 1 and "Invalid job id specified" in warned[0], warned
+    assert "not trying again" not in warned[0]
+    assert json.loads((out / "default" / "status.json").read_text())["finished"]
+
+
+def test_only_the_jobs_own_user_may_set_its_comment(
+    slurm_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm 22.05 lets a job's own user update its comment; another user's update is refused ("Invalid user
+    id"), which the sink reports as permanent (no more tries). The other user is the real scontrol run as nobody."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])  # the sink's scontrol inherits this process's env
+    as_nobody = tmp_path / "scontrol-as-nobody"
+    as_nobody.write_text('#!/bin/sh\nexec runuser -u nobody -- scontrol "$@"\n')
+    as_nobody.chmod(0o755)
+    out = sh(
+        slurm_env, "sbatch", "--parsable", f"--chdir={tmp_path}", "--cpus-per-task=1", "--time=5", "--wrap", "sleep 300"
+    )
+    jid = out.strip().split(";")[0]
+    status = Status(3, 12, 0.0, 1.0, {}, 2, 5.0)
+    try:
+        wait_for(lambda: job_info(slurm_env, jid).get("JobState") == "RUNNING", 120, f"job {jid} to run")
+        with pytest.raises(ReportFailed) as refused:
+            SlurmComment(jid, 60.0, scontrol=str(as_nobody)).send(status)
+        assert refused.value.permanent and "Invalid user id" in refused.value.reason, refused.value.reason
+        assert comment_of(slurm_env, jid) is None
+        SlurmComment(jid, 60.0).send(status)  # this process's user submitted the job
+        assert comment_of(slurm_env, jid) == "ddp-job step 3/12 25% eta 9s ckpt@2 age 5s"
+    finally:
+        subprocess.run(["scancel", jid], env=slurm_env, capture_output=True)

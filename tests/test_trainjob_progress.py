@@ -241,3 +241,26 @@ def test_down_or_slow_endpoint_fails_within_the_timeout(server: tjs.StatusServer
     server.down()
     with pytest.raises(ReportFailed, match="ConnectionRefusedError"):
         sink.send(_status())
+
+
+def test_a_run_reports_to_the_trainjob_only_with_the_three_variables(tmp_path: Path) -> None:
+    """``sinks``: the TrainJob sink joins when the controller set all three variables, not with one missing,
+    not with ``report.trainjob`` off; an unusable URL leaves it out (logged) rather than failing the run."""
+    from job.cluster.env import detect_env
+    from job.config import JobConfig
+    from job.config.load import load_config
+    from job.observe.report import sinks
+
+    env = detect_env({})
+    full = {URL_ENV: "https://h.svc:10443/p", CA_CERT_ENV: str(tmp_path / "ca"), TOKEN_ENV: str(tmp_path / "t")}
+    cfg = load_config(["--run.output-dir", str(tmp_path)], {})
+
+    def names(config: JobConfig, environ: dict[str, str]) -> list[str]:
+        return [s.name for s in sinks(config, env, environ)]
+
+    assert names(cfg, full) == ["status file", TrainJobProgress.name]
+    assert names(cfg, {k: v for k, v in full.items() if k != TOKEN_ENV}) == ["status file"]
+    assert names(load_config(["--run.output-dir", str(tmp_path), "--report.trainjob", "false"], {}), full) == [
+        "status file"
+    ]
+    assert names(cfg, {**full, URL_ENV: "http://h.svc:10443/p"}) == ["status file"]

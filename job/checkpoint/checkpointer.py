@@ -42,11 +42,20 @@ class Checkpointer:
         self.saved_at = time.monotonic()
         """When the newest save (or restore, or the start) happened: the checkpoint's age is measured from it."""
         self._run_time_s = 0.0
+        self._restored: tuple[int, float] | None = None
 
     def start(self, step: int) -> None:
         """The loop begins after ``step`` (0, or the step restored)."""
         self.cadence.start(step, self._run_time_s)
         self.saved_at = time.monotonic()
+        if self.saved_step == step:  # restored: its work is this attempt's from now on
+            self._restored = (step, self.saved_at)
+
+    def committed(self) -> tuple[int, float] | None:
+        """(step, ``time.monotonic()`` its state was taken) of the newest checkpoint on storage: the newest one this
+        run wrote completely (an async save in flight does not count), else the one it resumed from, measured
+        from the start (rank 0; None: none yet)."""
+        return self.manager.committed or self._restored
 
     def restore(self, found: Found) -> None:
         self.states.load_state_dict(load_state(found))

@@ -240,6 +240,9 @@ class CheckpointManager:
         self._staging = HostStaging() if async_save and is_main else None
         self.last_write_s = 0.0
         """How long the newest finished write took (serialise, fsync, rename; rank 0)."""
+        self.committed: tuple[int, float] | None = None
+        """(step, ``time.monotonic()`` when its state was taken) of the newest checkpoint this process has on
+        storage (rank 0; None: none yet): an async save counts once its write is complete, not while in flight."""
 
     def clean_stale_tmp(self) -> None:  # also pruned checkpoints whose deletion was interrupted (_delete)
         """Remove torn saves left by a crash (never valid, never loaded)."""
@@ -256,26 +259,28 @@ class CheckpointManager:
         self.wait()  # at most one save in flight; also surfaces a background failure
         if not self.is_main:
             return
+        taken = time.monotonic()
         # Async: into buffers kept between saves (safe: the previous write was waited for above).
         state = self._staging.snapshot(state_fn()) if self._staging is not None else to_host(state_fn())
         if self.async_save:
             self._thread = threading.Thread(
-                target=self._write_and_prune, args=(step, state, meta), name="ckpt-writer", daemon=False
+                target=self._write_and_prune, args=(step, state, meta, taken), name="ckpt-writer", daemon=False
             )
             self._thread.start()
             # Logged once the writer runs, so "in flight" is true for anyone who reacts to this line.
             log.info("writing checkpoint %s in the background", self.run_dir / step_dir_name(step))
         else:
-            self._write_and_prune(step, state, meta)
+            self._write_and_prune(step, state, meta, taken)
             self._raise_pending()
 
-    def _write_and_prune(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _write_and_prune(self, step: int, state: dict[str, Any], meta: dict[str, Any], taken: float) -> None:
         try:
             t0 = time.perf_counter()
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
             path = _write_checkpoint(self.run_dir, step, state, meta)
             self.last_write_s = time.perf_counter() - t0
+            self.committed = (step, taken)  # one assignment: a reader on another thread sees old or new
             log.info("saved checkpoint %s", path)
             self.prune(just_written=path)
         except BaseException as e:

@@ -425,6 +425,29 @@ class ObserveConfig(BaseModel):
     """Number of steps in the profiler window."""
 
 
+class ReportConfig(BaseModel):
+    """Progress reports from rank 0, sent off the training thread (docs/progress.md): the status file, the Slurm
+    job's comment under Slurm, a Kubeflow TrainJob's status. A place that cannot be reached is logged and training
+    goes on."""
+
+    model_config = _SECTION
+    enabled: bool = True
+    """Report the run's progress at all (off: no report of any kind, no reporting thread)."""
+    file: bool = True
+    """Keep <run_dir>/status.json current: progress, ETA, metrics, the newest checkpoint and its age (replaced
+    atomically at most once a second)."""
+    slurm_comment: bool = True
+    """Under Slurm (SLURM_JOB_ID set): a one-line summary in the job's comment (scontrol update; `scontrol show
+    job` shows it). Replaces a comment given at submission; off leaves the comment alone."""
+    slurm_every_s: float = Field(60.0, ge=1)
+    """At most one comment update per this many seconds (and the final one): each update is an RPC to slurmctld,
+    which serves the whole cluster's jobs and commands."""
+    trainjob: bool = True
+    """In a Kubeflow TrainJob whose controller has the TrainJobStatus gate on (it then sets the three
+    KUBEFLOW_TRAINER_SERVER_* variables): the progress in the TrainJob's status.trainerStatus, at most one request
+    per 5 s (docs/kubernetes.md). Without those variables there is nothing to report to."""
+
+
 class DebugConfig(BaseModel):
     """TESTING AND DEBUGGING AIDS ONLY: faults injected on purpose (all off by default; nothing here belongs in
     a production config). Each aid is installed only when set, so the training step pays nothing when off."""
@@ -485,6 +508,8 @@ class JobConfig(BaseSettings):
     """Preflight checks."""
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     """Observability."""
+    report: ReportConfig = Field(default_factory=ReportConfig)
+    """Progress reports."""
     debug: DebugConfig = Field(default_factory=DebugConfig)
     """TESTING AND DEBUGGING AIDS ONLY (faults injected on purpose): never set them in a real run."""
 

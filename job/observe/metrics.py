@@ -160,6 +160,8 @@ class TrainLog:
         self.device, self.writer, self.observer, self.progress = device, writer, observer, progress
         self.timer = StepTimer()
         self.loss_sum = torch.zeros((), device=device)
+        self.latest: dict[str, float] = {}
+        """The newest log step's scalars (host values): what a progress report carries."""
 
     def before_step(self) -> None:
         self.timer.start_step()
@@ -190,6 +192,7 @@ class TrainLog:
             **self.timer.summary(self.global_batch_size),
         }
         self.writer.scalars(step, scalars)
+        self.latest = scalars
         line = (
             f"step {step}/{self.total_steps} loss {scalars['train/loss']:.4f} lr {lr:.4g} "
             f"{scalars['perf/samples_per_s']:.1f} samples/s data-wait {100 * scalars['perf/data_wait_frac']:.1f}%"

@@ -20,7 +20,8 @@ class Status:
     total_steps: int
     wall_time: float
     step_time_s: float
-    """Median seconds per optimizer step over the recent window (0 before the first measured step)."""
+    """Seconds per optimizer step as measured on this attempt, evaluations and saves included (what the remaining
+    steps will take; 0 before the first measured step)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The latest training (and validation, once evaluated) metrics, e.g. ``train/loss``."""
     last_checkpoint_step: int | None = None
@@ -50,11 +51,12 @@ class Status:
 
 
 class ReportFailed(Exception):
-    """A sink could not deliver a status (unreachable, refused, no token...): logged, never fatal."""
+    """A sink could not deliver a status (unreachable, refused, no token...): logged, never fatal. ``permanent``:
+    no later try can succeed (the sink is not tried again in this run)."""
 
-    def __init__(self, sink: str, reason: str) -> None:
+    def __init__(self, sink: str, reason: str, permanent: bool = False) -> None:
         super().__init__(f"{sink}: {reason}")
-        self.sink, self.reason = sink, reason
+        self.sink, self.reason, self.permanent = sink, reason, permanent
 
 
 class Sink(Protocol):

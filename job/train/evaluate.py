@@ -63,6 +63,8 @@ class Evaluator:
 
     def __init__(self, parts: Parts, every: int, total_steps: int, writer: NullWriter) -> None:
         self.parts, self.every, self.total_steps, self.writer = parts, every, total_steps, writer
+        self.latest: dict[str, float] = {}
+        """The newest evaluation's results (empty until the first): what a progress report carries."""
 
     def results(self) -> dict[str, float]:
         """Validation metrics of the model, and of the EMA as ``ema/...`` when it is enabled (every rank)."""
@@ -70,6 +72,7 @@ class Evaluator:
         out = evaluate(p.raw_model, p)
         if p.ema is not None:
             out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p).items()})
+        self.latest = out
         return out
 
     def after_step(self, step: int) -> None:

@@ -13,6 +13,8 @@ from job.config import JobConfig, config_to_dict
 from job.config.plan import Plan
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 from job.observe.metrics import NullWriter, TrainLog, hparams
+from job.observe.report import NullReporter, Pace, reported_metrics
+from job.observe.status import Status
 from job.observe.watchdog import Watchdog
 from job.parallel import ddp, distributed
 from job.train.evaluate import Evaluator
@@ -40,6 +42,9 @@ class Run:
     log: TrainLog
     writer: NullWriter
     stop_vote: distributed.StepFlagVote
+    reporter: NullReporter
+    """Rank 0's progress reports (job.observe.report); a null one on the other ranks."""
+    pace: Pace
     watchdog: Watchdog | None = None
     """Armed around each step once the first step is done (job.observe.watchdog)."""
 
@@ -86,7 +91,17 @@ def iteration(run: Run) -> bool:
     if stop_agreed(run):
         return True
     run.checkpointer.after_step(state.step)
+    if run.log.due(state.step):  # after the step's save: a synchronous one is already on storage
+        run.reporter.update(status(run))
     return False
+
+
+def status(run: Run, finished: bool = False) -> Status:
+    """The run's status now, from host values only: the log step's scalars, the newest evaluation, the newest
+    checkpoint on storage."""
+    metrics = reported_metrics(run.log.latest, run.evaluator.latest)
+    window_step_s = run.log.latest.get("perf/step_time_s", 0.0)
+    return run.pace.status(run.state.step, window_step_s, metrics, run.checkpointer.committed(), finished)
 
 
 def stop_agreed(run: Run) -> bool:
@@ -104,6 +119,7 @@ def preempted(run: Run) -> int:
     # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
     # nobody exits before rank 0's checkpoint is on disk.
     run.checkpointer.manager.wait()
+    run.reporter.close(status(run))
     if run.env.is_main:
         run.stop.honoured(step)
     distributed.barrier(run.rt)
@@ -123,6 +139,7 @@ def finish(run: Run) -> int:
     if comm and is_main:
         log.info(comm)
     run.checkpointer.finish(step)
+    run.reporter.close(status(run, finished=True))
     run.writer.hparams(hparams(config_to_dict(run.cfg)), {"hparam/" + k: v for k, v in results.items()})
     if is_main:
         run_dir = run.cfg.run_dir

@@ -31,7 +31,7 @@ from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
 from job.doctor import phases as doctor
 from job.errors import EXIT_PREEMPTED, BadInput
-from job.observe import metrics
+from job.observe import metrics, report
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
 from job.parallel import distributed
@@ -202,7 +202,26 @@ def build_run(
     evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer)
     batches = parts.loaders.batches(state)
     vote = distributed.StepFlagVote(rt)
-    return Run(cfg, env, plan, rt, parts, state, batches, stop, checkpointer, evaluator, train_log, writer, vote)
+    reporter = report.build_reporter(cfg, env, os.environ)
+    cleanup.callback(reporter.close)  # a run that ends in an error still sends its newest status, bounded
+    pace = report.Pace(plan.total_steps)
+    return Run(
+        cfg,
+        env,
+        plan,
+        rt,
+        parts,
+        state,
+        batches,
+        stop,
+        checkpointer,
+        evaluator,
+        train_log,
+        writer,
+        vote,
+        reporter,
+        pace,
+    )
 
 
 def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
