@@ -355,6 +355,7 @@ def _wait_pid1(sim: ts.TrainJobSimulation, name: str, marker: bytes) -> int:
 
 SINK = "trainjob status"  # the sink's name in the reporter's log lines
 CKPT_EVERY = 5
+FAULT_STEPS = 160  # with rank 0's 0.5 s per step, room for four faults and their recoveries at 5 s a report
 
 
 def _progress_docs(steps: int) -> list[dict]:
@@ -440,14 +441,14 @@ def test_run_goes_on_when_the_endpoint_fails(tmp_path: Path) -> None:
     (connections refused), then answering after the client's timeout, then answering 500, then the token file
     removed. Each failure is logged with its reason, reports resume once it is cleared, and the run finishes
     (exit 0, FINAL line)."""
-    with ts.TrainJobSimulation(_progress_docs(120), tmp_path, trainjob_status=True) as sim:
+    with ts.TrainJobSimulation(_progress_docs(FAULT_STEPS), tmp_path, trainjob_status=True) as sim:
         server = sim.status_server
         assert server is not None
         server.down()
         sim.start()
         faults = {
             "ConnectionRefusedError": (server.down, server.up),
-            "TimeoutError: timed out": (
+            "TimeoutError: The read operation timed out": (
                 lambda: setattr(server, "fault", "slow"),
                 lambda: setattr(server, "fault", None),
             ),
@@ -466,7 +467,7 @@ def test_run_goes_on_when_the_endpoint_fails(tmp_path: Path) -> None:
         condition = sim.wait(TIMEOUT)
     log0 = sim.log(NODE0)
     assert condition == ts.COMPLETE and all(p.exit_codes == [0] for p in sim.pods.values()), log0[-3000:]
-    assert int(re.findall(r"^FINAL step=(\d+)", log0, re.M)[-1]) == 120
+    assert int(re.findall(r"^FINAL step=(\d+)", log0, re.M)[-1]) == FAULT_STEPS
     failures = re.findall(rf"progress report to {SINK} failed: (.*)", log0)
     assert [next(r for r in faults if r in f) for f in failures] == list(faults), failures
     assert log0.count(f"progress report to {SINK} recovered") == len(faults)
