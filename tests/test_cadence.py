@@ -7,9 +7,10 @@ import math
 import pytest
 
 from job.checkpoint.cadence import Auto, check_grace, daly_interval, expected_loss_s, refine_mtbf
-from job.cluster.env import interruptions
+from job.cluster.env import NOTICE_VAR, interruptions, launcher_notice_s
 from job.config import load_config
 from job.errors import BadInput
+from job.train.run import grace
 
 
 def test_daly_refines_young_and_stays_below_mtbf() -> None:
@@ -75,8 +76,25 @@ def test_every_is_steps_or_auto() -> None:
 
 
 def test_auto_refuses_a_grace_period_no_save_fits() -> None:
-    check_grace(0.0, 5.0)
-    check_grace(10.0, 5.0)
-    with pytest.raises(BadInput) as e:
-        check_grace(5.0, 5.0)
-    assert e.value.setting == "ckpt.grace_s" and e.value.value == 5.0 and e.value.exit_code == 2
+    check_grace(0.0, "ckpt.grace_s", 5.0)
+    check_grace(10.0, "ckpt.grace_s", 5.0)
+    for source in ("ckpt.grace_s", NOTICE_VAR):
+        with pytest.raises(BadInput) as e:
+            check_grace(5.0, source, 5.0)
+        assert e.value.setting == source and e.value.value == 5.0 and e.value.exit_code == 2
+
+
+def test_the_configured_grace_wins_over_the_launchers_notice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NOTICE_VAR, "300")
+    assert grace(load_config([])) == (300.0, NOTICE_VAR)
+    assert grace(load_config(["--ckpt.grace-s", "90"])) == (90.0, "ckpt.grace_s")
+    monkeypatch.delenv(NOTICE_VAR)
+    assert grace(load_config([])) == (0.0, NOTICE_VAR)
+
+
+def test_a_launcher_notice_that_is_not_seconds_exits_2() -> None:
+    assert launcher_notice_s({NOTICE_VAR: " 120 "}) == 120.0
+    for bad in ("soon", "-5", "nan"):
+        with pytest.raises(BadInput) as e:
+            launcher_notice_s({NOTICE_VAR: bad})
+        assert e.value.setting == NOTICE_VAR and e.value.value == bad and e.value.exit_code == 2

@@ -26,8 +26,17 @@ from pathlib import Path
 
 import pytest
 
+from job.cluster.env import NOTICE_VAR
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
-from job.launchers.torchrun import _parser, build_torchrun_args, map_exit_codes, split_argv, standalone_argv
+from job.launchers.torchrun import (
+    SHUTDOWN_DEFAULT_S,
+    _parser,
+    build_torchrun_args,
+    map_exit_codes,
+    split_argv,
+    standalone_argv,
+    worker_notice_s,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT = "import sys; from job.launchers.torchrun import launch_main; sys.exit(launch_main(sys.argv[1:], module='tests.support.launch_worker'))"
@@ -178,7 +187,8 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
 
 @pytest.mark.integration
 def test_success_runs_job_train_with_the_train_args(tmp_path: Path) -> None:
-    rc, out = _finish(_launch(tmp_path, "0:0,1:0", extra=("--", "--run.name", "demo", "--train.steps", "3")))
+    extra = ("--shutdown-timeout", "7", "--", "--run.name", "demo", "--train.steps", "3")
+    rc, out = _finish(_launch(tmp_path, "0:0,1:0", extra=extra))
     assert rc == 0, out
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"argv-{rank}").read_text())
@@ -186,6 +196,7 @@ def test_success_runs_job_train_with_the_train_args(tmp_path: Path) -> None:
         assert seen["executable"] == sys.executable
         assert seen["env"]["WORLD_SIZE"] == "2" and seen["env"]["TORCHELASTIC_RUN_ID"]
         assert seen["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        assert seen["env"]["DDP_JOB_NOTICE_S"] == "7"  # --shutdown-timeout: the agent's SIGKILL after a stop signal
 
 
 @pytest.mark.integration
@@ -255,3 +266,11 @@ def test_elastic_restart_recovers(tmp_path: Path) -> None:
     # Two workers share the pipe: their lines can interleave without a newline between them.
     ok = re.findall(r"RESTART-OK rank=\d round=(\d+) sum=(\d+)", out)
     assert sorted(ok) == [("1", "16"), ("1", "16")], out
+
+
+def test_the_workers_notice_is_the_agents_shutdown_timeout_or_the_launchers_if_shorter() -> None:
+    assert worker_notice_s(None, {}) == SHUTDOWN_DEFAULT_S
+    assert worker_notice_s(None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "100"}) == 100.0
+    assert worker_notice_s(50, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "100"}) == 50.0  # the option wins, as in torchrun
+    assert worker_notice_s(None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "100", NOTICE_VAR: "300"}) == 100.0
+    assert worker_notice_s(None, {NOTICE_VAR: "12"}) == 12.0

@@ -377,3 +377,31 @@ def test_a_run_goes_on_without_scontrol(tmp_path: Path) -> None:
     assert len(warned) == 1 and "not on PATH" in warned[0] and "not trying again" in warned[0], warned
     final = json.loads((out / "default" / report.STATUS_FILE).read_text())
     assert final["finished"] and final["step"] == 6
+
+
+@pytest.mark.integration
+def test_a_resumed_run_reports_the_checkpoint_it_resumed_from(tmp_path: Path) -> None:
+    """Before its first save, a resumed run names the checkpoint it loaded, aged from its own start."""
+    data = make_data(tmp_path / "shapes", classes=4, per_class=8, size=16)
+    out = tmp_path / "runs"
+    args = train_args(data, out, "--ckpt.async-save", "off", "--debug.ckpt-write-delay-s", "0")
+    first = run_cli(["train", *args, "--train.steps", "8"], env=base_env(tmp_path))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-2000:]
+    log_path = tmp_path / "resumed.log"
+    with log_path.open("w") as log_file:
+        cmd = [bin_path("ddp-job"), "train", *args, "--train.steps", "12"]
+        proc = subprocess.Popen(cmd, env=base_env(tmp_path), cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            seen = poll_status(proc, out / "r")
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log_path.read_text()[-4000:]
+    resumed = [s for s in seen if 8 < s["step"] < 12]
+    assert resumed and all(s["last_checkpoint_step"] == 8 for s in resumed), seen
+    config_mtime = (out / "r" / "config.yaml").stat().st_mtime  # rewritten by the resumed run at its start
+    for s in resumed:  # its work since the checkpoint is this attempt's: aged from the start, after config.yaml
+        assert 8 in s["on_disk"]
+        taken = s["wall_time"] - s["checkpoint_age_s"]
+        assert config_mtime - CLOCK_SLACK_S <= taken <= s["wall_time"], "not aged from the resumed run's start"
+    assert seen[-1]["finished"] and seen[-1]["last_checkpoint_step"] == 12

@@ -22,7 +22,7 @@ SBATCH = ROOT / "slurm" / "train.sbatch"
 GOLDEN = Path(__file__).with_name("golden") / "slurm_train_sbatch.txt"
 
 STUB_SRUN = r"""#!/bin/bash
-printf '%s\n' "srun $*" >>"$STUB_LOG"
+printf '%s\n' "srun $*" "  with DDP_JOB_NOTICE_S=${DDP_JOB_NOTICE_S:-}" >>"$STUB_LOG"
 if [ -n "${STUB_SIGNAL:-}" ]; then          # a preemption signal to the batch shell mid-step
   kill -s "$STUB_SIGNAL" "$PPID"; sleep 0.5
   # a stop request (job/cluster/stop.py): the file exists and is empty, not marked honoured
@@ -34,6 +34,7 @@ STUB_SCONTROL = r"""#!/bin/bash
 case "$1 $2" in
   "show hostnames") tr ',' '\n' <<<"$STUB_NODES";;
   "show node") echo "NodeName=$3 Arch=x86_64 CoresPerSocket=8"; echo "   NodeAddr=10.9.0.${3##*[!0-9]} NodeHostName=$3";;
+  "show config") echo "KillWait                = ${STUB_KILLWAIT:-30} sec";;
   requeue*) printf '%s\n' "scontrol $*" >>"$STUB_LOG";;
   *) echo "stub scontrol: unexpected $*" >&2; exit 1;;
 esac
@@ -133,7 +134,8 @@ def test_golden_semantics(tmp_path: Path) -> None:
     out = _render(tmp_path, "x", {"SLURM_GPUS_ON_NODE": "4"}, ["--train.steps", "7"])
     assert "--nnodes=2 --nproc-per-node=4" in out
     assert "--rdzv-endpoint=10.9.0.1:24242" in out  # NodeAddr fallback, port from the job id
-    assert out.rstrip().endswith("--run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --train.steps 7")
+    launch_line = next(line for line in out.splitlines() if "ddp-job launch" in line)
+    assert launch_line.endswith("--run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --train.steps 7")
     requeued = _render(tmp_path, "y", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, [])
     assert "scontrol requeue 4242" in requeued and "STOP requested during the step" in requeued
     assert "exit 0" in requeued
@@ -190,3 +192,15 @@ def test_shellcheck_clean() -> None:
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_stop_notice_is_the_signal_lead_time_or_killwait_whichever_is_shorter(tmp_path: Path) -> None:
+    """DDP_JOB_NOTICE_S (what a save must fit in, job/cluster/env.py) follows the script's own --signal."""
+    lead = re.search(r"^#SBATCH --signal=B:USR2@(\d+)$", SBATCH.read_text(), re.M)
+    assert lead, "slurm/train.sbatch has no #SBATCH --signal=B:USR2@N line"
+    assert re.search(rf"^signal_lead_s={lead[1]}\b", SBATCH.read_text(), re.M), "signal_lead_s != the --signal lead"
+    cases = {"short-killwait": ({"STUB_KILLWAIT": "30"}, "30"), "long-killwait": ({"STUB_KILLWAIT": "900"}, lead[1])}
+    cases["user-notice"] = ({"STUB_KILLWAIT": "30", "DDP_JOB_NOTICE_S": "45"}, "45")
+    for name, (env, want) in cases.items():
+        out = _render(tmp_path, name, env, [])
+        assert f"with DDP_JOB_NOTICE_S={want}\n" in out, out

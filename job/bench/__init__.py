@@ -18,6 +18,7 @@ NAMES = {
     "data": "ImageFolder loader images/s vs what the trainer consumes",
     "checkpoint": "time training is blocked per checkpoint: sync, async, plain torch.save",
     "startup": "launch -> first optimizer step vs launch -> first collective of a bare script",
+    "ckpt-waste": "simulated interruptions: waste at ckpt.every=auto's interval vs 1/2x, 2x and the optimum",
     "sync-modes": "DDP ring all-reduce vs an RPC parameter server: step time, counted bytes, N = 2, 3, 4",
     "scaling": "GPU only: ResNet-50 bf16 channels_last images/s and MFU vs batch size",
 }

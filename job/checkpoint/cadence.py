@@ -56,15 +56,16 @@ def refine_mtbf(prior_s: float, interruptions: int, run_time_s: float) -> float:
     return (prior_s + run_time_s) / (1 + interruptions)
 
 
-def check_grace(grace_s: float, write_delay_s: float) -> None:
-    """``auto`` with a notice known (``ckpt.grace_s``) that a save known from the config to be longer cannot fit."""
+def check_grace(grace_s: float, source: str, write_delay_s: float) -> None:
+    """``auto`` with a notice known (``source``: ``ckpt.grace_s`` or the launcher's variable) that a save known
+    from the config to be longer cannot fit."""
     if grace_s and write_delay_s >= grace_s:
         raise BadInput(
-            f"ckpt.every=auto with ckpt.grace_s={grace_s:g}: every save takes at least debug.ckpt_write_delay_s="
+            f"ckpt.every=auto with {source}={grace_s:g}: every save takes at least debug.ckpt_write_delay_s="
             f"{write_delay_s:g} s, so no save fits in the launcher's notice and a preemption always loses work.",
-            "set ckpt.grace_s to the launcher's real notice (above the save time), lower debug.ckpt_write_delay_s, "
+            f"set {source} to the launcher's real notice (above the save time), lower debug.ckpt_write_delay_s, "
             "or set a fixed ckpt.every.",
-            setting="ckpt.grace_s",
+            setting=source,
             value=grace_s,
         )
 

@@ -43,11 +43,15 @@ class Checkpointer:
         """When the newest save (or restore, or the start) happened: the checkpoint's age is measured from it."""
         self._run_time_s = 0.0
         self._restored: tuple[int, float] | None = None
+        self.saves = 0
+        self.stalled_s = 0.0
+        """Seconds training stood still for this attempt's saves (the waste ``ckpt.every`` trades off)."""
+        self._started = time.monotonic()
 
     def start(self, step: int) -> None:
         """The loop begins after ``step`` (0, or the step restored)."""
         self.cadence.start(step, self._run_time_s)
-        self.saved_at = time.monotonic()
+        self.saved_at = self._started = time.monotonic()
         if self.saved_step == step:  # restored: its work is this attempt's from now on
             self._restored = (step, self.saved_at)
 
@@ -72,7 +76,10 @@ class Checkpointer:
         self.states.gather()
         self.manager.save(step, self.states.state_dict, {**self.meta(), RUN_TIME: self.cadence.run_time_s()})
         self.saved_at = time.monotonic()
-        return time.perf_counter() - t0
+        stall = time.perf_counter() - t0
+        self.saves += 1
+        self.stalled_s += stall
+        return stall
 
     def after_step(self, step: int) -> None:
         """The periodic save; the last step is saved by ``finish`` after the final evaluation."""
@@ -90,3 +97,11 @@ class Checkpointer:
         if self.saved_step != step:
             self.save(step)
         self.manager.wait()
+
+    def overhead(self) -> str:
+        """This attempt's save stalls as a share of its time since ``start`` (for the final log line)."""
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        return (
+            f"checkpoints: {self.saves} save(s) stopped training for {self.stalled_s:.2f} s, "
+            f"{100 * self.stalled_s / elapsed:.2f}% of this attempt's {elapsed:.1f} s"
+        )

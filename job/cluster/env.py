@@ -700,3 +700,29 @@ def interruptions(environ: Mapping[str, str]) -> int:
         if raw.isdigit():
             total += int(raw)
     return total
+
+
+NOTICE_VAR = "DDP_JOB_NOTICE_S"
+"""Where a shipped launcher states its stop notice (seconds from the stop signal to the hard kill): the
+sbatch script's ``--signal`` lead time, the pod's ``terminationGracePeriodSeconds``. Not a ``JOB_*``
+variable, so that a ``ckpt.grace_s`` set anywhere in the config wins over it."""
+
+
+def launcher_notice_s(environ: Mapping[str, str]) -> float:
+    """The launcher's stop notice, 0 when it states none."""
+    raw = environ.get(NOTICE_VAR, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        notice = float(raw)
+    except ValueError:
+        notice = -1.0
+    if not notice >= 0:  # also refuses nan
+        raise BadInput(
+            f"{NOTICE_VAR}={raw!r} is not a number of seconds >= 0.",
+            f"set {NOTICE_VAR} to the launcher's notice in seconds (the --signal lead time, the pod's "
+            "terminationGracePeriodSeconds), or unset it.",
+            setting=NOTICE_VAR,
+            value=raw,
+        )
+    return notice

@@ -19,9 +19,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from job.cluster.env import NOTICE_VAR, launcher_notice_s
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
 
 log = logging.getLogger("job.launchers.torchrun")
@@ -44,6 +45,25 @@ _TARGET_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path",
 
 
 TORCHRUN_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+SHUTDOWN_DEFAULT_S = 30.0
+"""torchrun's ``--shutdown-timeout`` when neither it nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT is given."""
+
+
+def worker_notice_s(shutdown_timeout: int | None, environ: Mapping[str, str]) -> float:
+    """The stop notice the workers get: the agent SIGKILLs them its shutdown timeout after forwarding a stop
+    signal, so the notice is that, or less where the launcher around the agent states less (DDP_JOB_NOTICE_S:
+    the sbatch script's, the pod's)."""
+    agent_s = SHUTDOWN_DEFAULT_S
+    if shutdown_timeout is not None:
+        agent_s = float(shutdown_timeout)
+    elif environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip().isdigit():
+        agent_s = float(environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    stated = launcher_notice_s(environ)
+    if stated:
+        return min(stated, agent_s)
+    return agent_s
 
 
 def with_stop_signals(signals_to_handle: str) -> str:
@@ -176,6 +196,7 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
     for name, value in AGENT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     args.signals_to_handle = with_stop_signals(args.signals_to_handle)
+    os.environ[NOTICE_VAR] = f"{worker_notice_s(args.shutdown_timeout, os.environ):g}"  # workers inherit it
 
     exits: list[int] = []
     try:

@@ -139,6 +139,8 @@ def finish(run: Run) -> int:
     if comm and is_main:
         log.info(comm)
     run.checkpointer.finish(step)
+    if is_main:
+        log.info(run.checkpointer.overhead())
     run.reporter.close(status(run, finished=True))
     run.writer.hparams(hparams(config_to_dict(run.cfg)), {"hparam/" + k: v for k, v in results.items()})
     if is_main:

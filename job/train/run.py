@@ -26,7 +26,7 @@ from job.checkpoint.checkpointer import Checkpointer
 from job.checkpoint.resume import agree_on_checkpoint, find_resume
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
-from job.cluster.env import DistEnv, detect_env, interruptions
+from job.cluster.env import NOTICE_VAR, DistEnv, detect_env, interruptions, launcher_notice_s
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
 from job.doctor import phases as doctor
@@ -75,7 +75,7 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
         )
     _check_run_dir(cfg)
     if cfg.ckpt.every == "auto":
-        cadence.check_grace(cfg.ckpt.grace_s, cfg.debug.ckpt_write_delay_s)
+        cadence.check_grace(*grace(cfg), cfg.debug.ckpt_write_delay_s)
     found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
     if found is not None and cfg.model.weights and env.is_main:
         log.info("resuming: model.weights=%s is not loaded (the checkpoint holds the weights)", cfg.model.weights)
@@ -293,10 +293,18 @@ def _cadence(cfg: JobConfig, rt: distributed.Runtime, writer: metrics.NullWriter
     return cadence.Auto(
         cfg.ckpt.mtbf_s,
         interruptions(os.environ),
-        cfg.ckpt.grace_s,
+        grace(cfg)[0],
         agree=lambda values: distributed.broadcast_from_main(values, rt),
         report=writer.scalars,
     )
+
+
+def grace(cfg: JobConfig) -> tuple[float, str]:
+    """The stop notice a save must fit in and where it comes from: ``ckpt.grace_s`` where set, else what the
+    launcher states (0: unknown)."""
+    if cfg.ckpt.grace_s:
+        return cfg.ckpt.grace_s, "ckpt.grace_s"
+    return launcher_notice_s(os.environ), NOTICE_VAR
 
 
 def _progress(cfg: JobConfig, env: DistEnv, start: int, total: int) -> Any:

@@ -43,7 +43,12 @@ def main() -> int:
                 "executable": sys.executable,
                 "env": {
                     k: os.environ.get(k)
-                    for k in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+                    for k in (
+                        "TORCHELASTIC_RUN_ID",
+                        "WORLD_SIZE",
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                        "DDP_JOB_NOTICE_S",
+                    )
                 },
             },
             f,
