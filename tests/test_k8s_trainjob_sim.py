@@ -13,6 +13,7 @@ Timings (suspend to checkpoint on disk, resume to first step) are printed: run w
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -30,10 +31,12 @@ from support import k8s_sim as ks
 from support import k8s_trainjob_sim as ts
 from support import k8s_validate as kv
 from support import lm
+from support import trainjob_status as tjs
 from support.ci import require
 from test_faults import assert_bitwise_equal
 
 from job.cluster.env import detect_env
+from job.observe.trainjob import MIN_INTERVAL_S
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 420  # per run; a loaded 2-core machine is 5-10x slower than an idle one
@@ -351,3 +354,188 @@ def test_language_model_suspended_and_resumed_ends_bitwise(tmp_path: Path) -> No
     assert want["trainer"] == got["trainer"]
     final = re.compile(r"^FINAL (.*) run_dir=", re.M)
     assert final.findall(sim.log(NODE0))[-1:] == final.findall(ref_log)[-1:] != [], "validation differs"
+
+
+# ----------------------------------------------------------------------------- TrainJob status (progress)
+POST_TWICE = """
+import os, sys, time
+from job.observe.status import ReportFailed, Status
+from job.observe.trainjob import TrainJobProgress
+sink = TrainJobProgress.from_environ(os.environ)
+assert sink is not None, "no KUBEFLOW_TRAINER_SERVER_* variables"
+for step in (1, 2):
+    try:
+        sink.send(Status(step, 4, time.time(), 1.0, {"train/loss": 1.0 / step}))
+    except ReportFailed as e:
+        sys.exit(f"send {step}: {e}")
+    print("sent", step, flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_pod_reports_to_the_status_endpoint(tmp_path: Path) -> None:
+    """The TrainJobStatus gate on: each pod carries the plugin's three variables, resolves the controller's
+    Service name on the pods' network, trusts its CA from the projected volume and sends with its own token;
+    a send after a rotation carries the new token, which the controller accepts."""
+    docs = kv.render(OVERLAYS / "cpu-smoke")
+    trainer = next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]
+    rotate_s = 2.0
+    trainer["command"], trainer["args"] = ["python", "-c", POST_TWICE, str(rotate_s * 1.5)], []
+    with ts.TrainJobSimulation(docs, tmp_path, trainjob_status=True, token_rotate_s=rotate_s) as sim:
+        sim.start()
+        envs = {n: _environ(_wait_pid1(sim, n, b"TrainJobProgress")) for n in (NODE0, NODE1)}
+        condition = sim.wait(TIMEOUT)
+    assert condition == ts.COMPLETE, (sim.log(NODE0), sim.log(NODE1))
+    server = sim.status_server
+    assert server is not None
+    for name, pod in sim.pods.items():
+        assert envs[name] == ts.container_env(sim.job, sim.runtime, pod.index, trainjob_status=True), name
+        assert envs[name]["KUBEFLOW_TRAINER_SERVER_URL"] == (
+            "https://kubeflow-trainer-controller-manager.kubeflow-system.svc:10443"
+            "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs/ddp-smoke/status"
+        )
+        sent = [r for r in server.requests if r.claims()["kubernetes.io"]["pod"]["name"] == name]
+        assert [r.code for r in sent] == [200, 200], [(r.code, r.answer) for r in server.requests]
+        issued = [t for _, t in sim.tokens[f"{name}.0"]]
+        assert sent[0].token != sent[1].token and {r.token for r in sent} <= set(issued), name
+    assert server.trainer_status is not None and server.trainer_status["progressPercentage"] == 50
+
+
+def _wait_pid1(sim: ts.TrainJobSimulation, name: str, marker: bytes) -> int:
+    """The container's PID 1 once it runs the container's command (``marker`` in its command line)."""
+    pod = sim.pods[name]
+    _wait_for(f"{name}'s container", lambda: pod.pid1 is not None, 120)
+    _wait_for(f"{name}'s command", lambda: marker in Path(f"/proc/{pod.pid1}/cmdline").read_bytes(), 60)
+    return pod.pid1 or 0
+
+
+SINK = "trainjob status"  # the sink's name in the reporter's log lines
+CKPT_EVERY = 5
+FAULT_STEPS = 160  # with rank 0's 0.5 s per step, room for four faults and their recoveries at 5 s a report
+
+
+def _progress_docs(steps: int) -> list[dict]:
+    """cpu-smoke long enough for several reports: ``steps`` steps with rank 0 slowed by 0.5 s each (a testing
+    aid: the reports' pace is the throttle's, not the CPU's), a status every step, a checkpoint every 5."""
+    docs = kv.render(OVERLAYS / "cpu-smoke")
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    cfg = yaml.safe_load(cm["data"]["job.yaml"])
+    cfg["train"]["steps"] = steps
+    cfg["log"]["every"] = 1
+    cfg["ckpt"]["every"] = CKPT_EVERY
+    cfg["debug"] = {**RUNWAY, "straggler_steps": list(range(1, steps + 1))}
+    cm["data"]["job.yaml"] = yaml.safe_dump(cfg)
+    return docs
+
+
+def _metrics(trainer_status: dict) -> dict[str, str]:
+    return {m["name"]: m["value"] for m in trainer_status.get("metrics") or []}
+
+
+def _token_at(issued: list[tuple[float, str]], t: float) -> tuple[str, str | None]:
+    """The pod's token at time ``t`` and the one before it (still valid for the last 20 % of its life)."""
+    before = [tok for when, tok in issued if when <= t]
+    return before[-1], (before[-2] if len(before) > 1 else None)
+
+
+def test_trainjob_status_follows_the_run(tmp_path: Path) -> None:
+    """The gate on, a run of 40 steps: only rank 0 reports, every request is accepted; the status the controller
+    holds shows the percentage rising to 100, the ETA falling to 0, the newest checkpoint step and its age;
+    requests are at least the throttle apart; the token rotated during the run and each request carried the
+    pod's current one (or the one before, in its last 20 %)."""
+    steps, rotate_s = 40, 3.0
+    with ts.TrainJobSimulation(_progress_docs(steps), tmp_path, trainjob_status=True, token_rotate_s=rotate_s) as sim:
+        sim.start()
+        condition = sim.wait(TIMEOUT)
+    server, log0 = sim.status_server, sim.log(NODE0)
+    assert condition == ts.COMPLETE and server is not None, log0[-3000:]
+    assert re.search(rf"progress reports to: .*{SINK}", log0) and f"progress report to {SINK} failed" not in log0
+    reqs = server.requests
+    assert reqs and all(r.code == 200 for r in reqs), [(r.code, r.answer) for r in reqs if r.code != 200]
+    assert {r.claims()["kubernetes.io"]["pod"]["name"] for r in reqs} == {NODE0}, "only rank 0 reports"
+    held = [h for _, h in server.history]
+    print(f"\n{len(reqs)} requests; the status as the controller held it at the end:")
+    print(json.dumps(server.trainer_status, indent=1))
+
+    pcts = [h["progressPercentage"] for h in held]
+    assert pcts == sorted(pcts) and pcts[-1] == 100 and pcts[0] < 50 and len(set(pcts)) >= 4, pcts
+    etas = [h["estimatedRemainingSeconds"] for h in held if "estimatedRemainingSeconds" in h]
+    assert etas[-1] == 0 and etas[0] > etas[len(etas) // 2] > 0, etas
+    steps_of_eta = list(itertools.pairwise(etas))
+    assert sum(b < a for a, b in steps_of_eta) > sum(b > a for a, b in steps_of_eta), etas
+    ckpts = [int(_metrics(h)["last_checkpoint_step"]) for h in held if "last_checkpoint_step" in _metrics(h)]
+    assert ckpts == sorted(ckpts) and len(set(ckpts)) >= 3 and all(s % CKPT_EVERY == 0 for s in ckpts), ckpts
+    final = _metrics(held[-1])
+    assert final["last_checkpoint_step"] == str(steps) and float(final["checkpoint_age_s"]) >= 0
+    assert {"train/loss", "checkpoint_age_s"} <= final.keys()
+    assert _checkpoint(sim, steps).is_dir(), "the final status names the checkpoint on storage"
+
+    # The throttle: the server's receive times carry each connection's own latency, hence 0.8 x the interval;
+    # unthrottled, a status goes out every step (under a second apart here). The final one is sent at once.
+    gaps = [b.time - a.time for a, b in itertools.pairwise(reqs[:-1])]
+    assert gaps and min(gaps) > 0.8 * MIN_INTERVAL_S, gaps
+    assert len(reqs) <= (reqs[-1].time - reqs[0].time) / MIN_INTERVAL_S + 2
+
+    issued = sim.tokens[f"{NODE0}.0"]
+    assert len({r.token for r in reqs}) >= 2 and len(issued) >= 3, "the token rotated during the run"
+    for r in reqs:
+        assert r.token in _token_at(issued, r.time), f"request at {r.time} carried a token the kubelet had replaced"
+
+
+def _wait_or_finished(sim: ts.TrainJobSimulation, what: str, cond: Callable[[], bool]) -> None:
+    """Wait for ``cond``; a run that ended first fails the test (it was too short for the phases)."""
+    _wait_for(what, lambda: cond() or sim.condition in (ts.COMPLETE, ts.FAILED), 180)
+    assert cond(), f"the run ended before {what}"
+
+
+def _accepted_after(server: tjs.StatusServer, t: float) -> bool:
+    return any(r.code == 200 and r.time > t for r in server.requests)
+
+
+def test_run_goes_on_when_the_endpoint_fails(tmp_path: Path) -> None:
+    """One run through every fault, each followed by a recovery: the endpoint down when the run starts
+    (connections refused), then answering after the client's timeout, then answering 500, then the token file
+    removed. Each failure is logged with its reason, reports resume once it is cleared, and the run finishes
+    (exit 0, FINAL line)."""
+    with ts.TrainJobSimulation(_progress_docs(FAULT_STEPS), tmp_path, trainjob_status=True) as sim:
+        server = sim.status_server
+        assert server is not None
+        server.down()
+        sim.start()
+        faults = {
+            "ConnectionRefusedError": (server.down, server.up),
+            "TimeoutError: The read operation timed out": (
+                lambda: setattr(server, "fault", "slow"),
+                lambda: setattr(server, "fault", None),
+            ),
+            "HTTP 500 Internal Server Error: Internal error": (
+                lambda: setattr(server, "fault", "error"),
+                lambda: setattr(server, "fault", None),
+            ),
+            "token file /var/run/secrets/kubeflow/trainer/token": (sim.remove_token, sim.restore_token),
+        }
+        for reason, (inject, clear) in faults.items():
+            inject()
+            _wait_or_finished(sim, f"a report failing with {reason!r}", lambda r=reason: r in sim.log(NODE0))
+            t_clear = time.time()
+            clear()
+            _wait_or_finished(sim, f"an accepted report after {reason!r}", lambda t=t_clear: _accepted_after(server, t))
+        condition = sim.wait(TIMEOUT)
+    log0 = sim.log(NODE0)
+    assert condition == ts.COMPLETE and all(p.exit_codes == [0] for p in sim.pods.values()), log0[-3000:]
+    assert int(re.findall(r"^FINAL step=(\d+)", log0, re.M)[-1]) == FAULT_STEPS
+    failures = re.findall(rf"progress report to {SINK} failed: (.*)", log0)
+    assert [next(r for r in faults if r in f) for f in failures] == list(faults), failures
+    assert log0.count(f"progress report to {SINK} recovered") == len(faults)
+    assert server.trainer_status is not None and server.trainer_status["progressPercentage"] == 100
+
+
+def test_gate_off_no_variables_no_reports(reference: dict) -> None:
+    """The reference run has the gate off (the default): no controller endpoint, none of the three variables
+    in any pod, and the trainer reports only to its other places."""
+    sim = reference["sim"]
+    assert not sim.trainjob_status and sim.status_server is None and sim.controller is None
+    for name in (NODE0, NODE1, f"{NODE1}/local-rank-1"):
+        assert not [k for k in reference["envs"][name] if k.startswith("KUBEFLOW_TRAINER_SERVER_")], name
+    reports = re.findall(r"progress reports to: (.*)", sim.log(NODE0))
+    assert reports and all(SINK not in line for line in reports), reports

@@ -426,8 +426,9 @@ class ObserveConfig(BaseModel):
 
 
 class ReportConfig(BaseModel):
-    """Progress reports from rank 0, sent off the training thread (docs/progress.md): the status file, and the
-    Slurm job's comment under Slurm. A place that cannot be reached is logged and training goes on."""
+    """Progress reports from rank 0, sent off the training thread (docs/progress.md): the status file, the Slurm
+    job's comment under Slurm, a Kubeflow TrainJob's status. A place that cannot be reached is logged and training
+    goes on."""
 
     model_config = _SECTION
     enabled: bool = True
@@ -441,6 +442,10 @@ class ReportConfig(BaseModel):
     slurm_every_s: float = Field(60.0, ge=1)
     """At most one comment update per this many seconds (and the final one): each update is an RPC to slurmctld,
     which serves the whole cluster's jobs and commands."""
+    trainjob: bool = True
+    """In a Kubeflow TrainJob whose controller has the TrainJobStatus gate on (it then sets the three
+    KUBEFLOW_TRAINER_SERVER_* variables): the progress in the TrainJob's status.trainerStatus, at most one request
+    per 5 s (docs/kubernetes.md). Without those variables there is nothing to report to."""
 
 
 class DebugConfig(BaseModel):

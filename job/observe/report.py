@@ -1,5 +1,6 @@
 """Rank 0's progress reports, sent off the training thread: the reporter, the status it is given, its sinks (the
-run directory's status file, the Slurm job's comment) and which of them a run gets (``sinks``).
+run directory's status file, the Slurm job's comment; a TrainJob's status is ``job.observe.trainjob``) and which
+of them a run gets (``sinks``).
 
 The training thread calls ``update(status)`` at each log step: it only replaces each sink's latest-value slot and
 sets an event (no I/O, no device access). One daemon thread per sink sends the newest status no more often than
@@ -27,6 +28,7 @@ from typing import Any
 from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.observe.status import ReportFailed, Sink, Status
+from job.observe.trainjob import TrainJobProgress
 
 log = logging.getLogger("job")
 
@@ -332,8 +334,9 @@ class SlurmComment:
 
 # ------------------------------------------------------------------ which sinks a run gets
 def sinks(cfg: JobConfig, env: DistEnv, environ: Mapping[str, str]) -> list[Sink]:
-    """The places this run reports to: the status file, the Slurm job's comment under Slurm. ``env`` and
-    ``environ`` tell where the run is (a launcher's own place for it needs its variables)."""
+    """The places this run reports to: the status file, the Slurm job's comment under Slurm, the TrainJob's status
+    where its controller set the endpoint's variables. ``env`` and ``environ`` tell where the run is (a launcher's
+    own place for it needs its variables)."""
     rc = cfg.report
     out: list[Sink] = []
     if rc.file:
@@ -341,6 +344,14 @@ def sinks(cfg: JobConfig, env: DistEnv, environ: Mapping[str, str]) -> list[Sink
     job_id = environ.get("SLURM_JOB_ID", "")
     if rc.slurm_comment and job_id:
         out.append(SlurmComment(job_id, rc.slurm_every_s))
+    if rc.trainjob:
+        try:
+            trainjob = TrainJobProgress.from_environ(environ)
+        except ValueError as e:  # a variable only the controller sets, so never the user's bad input
+            log.warning("progress reports to the TrainJob left out: %s", e)
+            trainjob = None
+        if trainjob is not None:
+            out.append(trainjob)
     return out
 
 

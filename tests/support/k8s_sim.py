@@ -27,6 +27,7 @@ host outside its work directory but its uniquely named network namespaces, veths
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -37,9 +38,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 POD_SHIM = Path(__file__).resolve().parent / "k8s_pod.py"
@@ -56,6 +58,7 @@ RETRYABLE = 128  # ExitCode policy: exit codes >= 128 are retried (§4)
 EVICTED = 0xBEEF  # the operator's sentinel when no terminated state is found
 IFNAMSIZ = 15  # the longest Linux interface name
 _serials = itertools.count()
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -648,6 +651,38 @@ def start_container(spec_path: Path, log_path: Path) -> tuple[subprocess.Popen, 
     if pid_file.exists() and pid_file.read_text():
         return proc, log, int(pid_file.read_text())
     return proc, log, None
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNET = 0x40000000
+
+
+def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread that has joined network namespace ``netns`` (``ip netns`` name): the sockets it
+    creates live there, and stay there when used from any other thread (a listening socket's connections too).
+    The calling thread's own namespace is never changed."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        try:
+            if _libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                out["error"] = OSError(err, f"setns {netns}: {os.strerror(err)}")
+                return
+        finally:
+            os.close(fd)
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name=f"in-{netns}")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _ip(*args: str) -> None:

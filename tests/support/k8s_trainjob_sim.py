@@ -15,7 +15,17 @@ run at once. What is Trainer v2 here:
   (``pod_failure_action``), JobSet's failurePolicy (``jobset_action``): a restart deletes every pod,
   waits for all of them to be gone (BlockingRecreate) and creates new ones with new IPs;
 * suspend: every pod deleted (SIGTERM, SIGKILL after terminationGracePeriodSeconds), the TrainJob kept;
-  resume: new pods, new IPs. A TrainJob created with ``spec.suspend: true`` starts no pod.
+  resume: new pods, new IPs. A TrainJob created with ``spec.suspend: true`` starts no pod;
+* the ``TrainJobStatus`` feature gate (``trainjob_status``, off by default as upstream): the controller's status
+  endpoint (tests/support/trainjob_status.py) listens in a network namespace of its own on the pods' network
+  (``CONTROLLER_IP``), as the controller pod does, and every pod resolves its Service name there; the
+  TrainJobStatus plugin's three variables go into the trainer container and its projected volume
+  (``kubeflow-trainer-token``: ``token`` and ``ca.crt``) is mounted at ``/var/run/secrets/kubeflow/trainer``.
+  The kubelet's token manager writes each new pod a token of its own and replaces it at 80 % of its lifetime
+  (``token_rotate_s``, seconds here where the real one is 48 min of 1 h), so the previous token stays valid
+  for the last 20 %: the overlap a real one has, and a client that kept its first token is refused within
+  ``token_rotate_s / 4``. Files change as the kubelet's AtomicWriter changes them: a new timestamped
+  directory, then the ``..data`` link swapped.
 
 Needs root, iproute2 and mount.
 """
@@ -24,12 +34,14 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import threading
 import time
 from pathlib import Path
 
 from support import k8s_sim as ks
+from support import trainjob_status as tjs
 
 SUBNET = "10.233.0"  # the first three octets of the TrainJob pods' addresses
 TRAINER_JOB = "node"  # the replicated job and the container the torch plugin fills
@@ -37,6 +49,10 @@ MASTER_PORT = 29500
 JOB_BACKOFF_DEFAULT = 6  # a Job's backoffLimit when unset
 GRACE_DEFAULT_S = 30
 COMPLETE, FAILED, RUNNING, SUSPENDED = "Complete", "Failed", "Running", "Suspended"
+CONTROLLER_IP = 2  # the last octet of the controller's address on the pods' network
+CONTROLLER_VETH = 99  # its veth pair's index (the pods' are 0..numNodes-1)
+TOKEN_VOLUME = "kubeflow-trainer-token"
+TOKEN_REFRESH = 0.8  # the kubelet replaces a projected token once 80 % of its lifetime has passed
 
 
 # ----------------------------------------------------------------------------- pure controller logic
@@ -102,7 +118,18 @@ def merged_container(job: dict, runtime: dict) -> dict:
     return c
 
 
-def container_env(job: dict, runtime: dict, index: int) -> dict[str, str]:
+def status_env(job: dict) -> list[tuple[str, str]]:
+    """The TrainJobStatus plugin's variables (``createEnvVars``): the endpoint's URL, the CA and the token files
+    of its projected volume."""
+    ns = job["metadata"].get("namespace", ks.NAMESPACE)
+    return [
+        ("KUBEFLOW_TRAINER_SERVER_URL", tjs.url(ns, job["metadata"]["name"])),
+        ("KUBEFLOW_TRAINER_SERVER_CA_CERT", f"{tjs.MOUNT}/ca.crt"),
+        ("KUBEFLOW_TRAINER_SERVER_TOKEN", f"{tjs.MOUNT}/token"),
+    ]
+
+
+def container_env(job: dict, runtime: dict, index: int, trainjob_status: bool = False) -> dict[str, str]:
     """The container's environment for the pod of completion index ``index``, as the pod starts it."""
     host = hostnames(job, runtime)[index]
     env = {**ks.IMAGE_ENV, "HOSTNAME": host}
@@ -111,6 +138,8 @@ def container_env(job: dict, runtime: dict, index: int) -> dict[str, str]:
             raise ValueError(f"{host}: env {e['name']} has no value (valueFrom is not simulated)")
         env[e["name"]] = e["value"]
     env.update(torch_env(job, runtime, index))
+    if trainjob_status:
+        env.update(status_env(job))
     env["JOB_COMPLETION_INDEX"] = str(index)  # the Job controller's, for Indexed Jobs
     return env
 
@@ -148,8 +177,24 @@ class TrainJobSimulation:
     """Trainer + JobSet + Job controller + kubelets for one rendered TrainJob. Use as a context manager:
     namespaces, bridge, hosts files and processes are removed on exit, also after a failure."""
 
-    def __init__(self, docs: list[dict], workdir: Path, *, venv: Path = ks.REPO / ".venv") -> None:
+    def __init__(
+        self,
+        docs: list[dict],
+        workdir: Path,
+        *,
+        venv: Path = ks.REPO / ".venv",
+        trainjob_status: bool = False,
+        token_rotate_s: float = 3.0,
+    ) -> None:
         self.job = next(d for d in docs if d["kind"] == "TrainJob")
+        self.trainjob_status, self.token_rotate_s = trainjob_status, token_rotate_s
+        self.status_server: tjs.StatusServer | None = None
+        """The controller's status endpoint, with the feature gate on (from ``__enter__``)."""
+        self.controller: ks.Pod | None = None  # the controller's pod, with the feature gate on
+        self.tokens: dict[str, list[tuple[float, str]]] = {}
+        """Each pod's projected tokens (``<pod>.<generation>``), in the order the kubelet wrote them."""
+        self.token_removed = threading.Event()
+        self._token_lock = threading.Lock()  # the token manager against pod creation and the test's faults
         self.runtime = runtime_of(docs, self.job)
         self.config_maps = {d["metadata"]["name"]: d.get("data") or {} for d in docs if d["kind"] == "ConfigMap"}
         self.workdir, self.venv = workdir, venv
@@ -177,16 +222,85 @@ class TrainJobSimulation:
         for pod in self.pods.values():
             ks.make_pod_network(pod, self.net, self.workdir / "net")
         self.image = ks.image_layers(self.venv, ks.image_bin(self.venv, self.workdir / "image" / "bin"))
+        if self.trainjob_status:
+            self._start_controller()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stopped.set()
         for pod in self.pods.values():
             pod.stop.set()
+        if self.status_server is not None:
+            self.status_server.down()
         ks.teardown(self.net)
         for pod in self.pods.values():
             if pod.thread:
                 pod.thread.join(timeout=10)
+
+    def _start_controller(self) -> None:
+        """The controller's pod on the pods' network, its status endpoint listening there, the token manager."""
+        ctrl = ks.Pod("controller", "controller", 0, self.net.ns_prefix + "controller", CONTROLLER_VETH)
+        ks.make_pod_network(ctrl, self.net, self.workdir / "net")
+        ks.set_pod_ip(ctrl, f"{self.net.subnet}.{CONTROLLER_IP}")
+        ns = self.job["metadata"].get("namespace", ks.NAMESPACE)
+        server = tjs.StatusServer(self.workdir / "controller", ns, self.job["metadata"]["name"], ctrl.ip)
+        server.up(lambda make: ks.call_in_netns(ctrl.netns, make))
+        self.controller = ctrl
+        self.status_server = server
+        threading.Thread(target=self._token_manager, name="token-manager", daemon=True).start()
+
+    def _token_dir(self, pod: ks.Pod) -> Path:
+        return self.workdir / "pods" / f"{pod.name}.{pod.generation}" / TOKEN_VOLUME
+
+    def _write_token(self, pod: ks.Pod) -> None:
+        """The projected volume as the kubelet's AtomicWriter updates it: the files in a new timestamped
+        directory, the ``..data`` link swapped to it, the old directory removed. With ``token_removed`` set the
+        new directory has no token: the ``token`` link dangles."""
+        server = self.status_server
+        if server is None:
+            return
+        with self._token_lock:
+            self._swap_token(pod, server)
+
+    def _swap_token(self, pod: ks.Pod, server: tjs.StatusServer) -> None:
+        vol = self._token_dir(pod)
+        vol.mkdir(parents=True, exist_ok=True)
+        key = f"{pod.name}.{pod.generation}"
+        new = vol / f"..{time.strftime('%Y_%m_%d_%H_%M_%S')}.{time.monotonic_ns()}"
+        new.mkdir()
+        (new / "ca.crt").write_bytes(server.ca_file.read_bytes())
+        if not self.token_removed.is_set():
+            token = server.issuer.issue(server.namespace, server.name, pod.name, self.token_rotate_s / TOKEN_REFRESH)
+            (new / "token").write_text(token)
+            self.tokens.setdefault(key, []).append((time.time(), token))
+        old = os.readlink(vol / "..data") if (vol / "..data").is_symlink() else None
+        (vol / "..data_tmp").symlink_to(new.name)
+        os.replace(vol / "..data_tmp", vol / "..data")
+        for name in ("token", "ca.crt"):
+            if not (vol / name).is_symlink():
+                (vol / name).symlink_to(f"..data/{name}")
+        if old is not None:
+            shutil.rmtree(vol / old, ignore_errors=True)
+
+    def _token_manager(self) -> None:
+        """The kubelet's: every running pod's token replaced each ``token_rotate_s``."""
+        while not self._stopped.wait(self.token_rotate_s):
+            for pod in list(self.pods.values()):
+                if pod.thread is not None and pod.thread.is_alive() and self._token_dir(pod).is_dir():
+                    self._write_token(pod)
+
+    def remove_token(self) -> None:
+        """Fault: the projected token disappears from every pod's volume until ``restore_token``."""
+        self.token_removed.set()
+        for pod in self.pods.values():
+            if self._token_dir(pod).is_dir():
+                self._write_token(pod)
+
+    def restore_token(self) -> None:
+        self.token_removed.clear()
+        for pod in self.pods.values():
+            if self._token_dir(pod).is_dir():
+                self._write_token(pod)
 
     def _publish(self) -> None:
         """Every pod's /etc/hosts: its own names (kubelet) plus the headless Service's records of the pods
@@ -198,6 +312,8 @@ class TrainJobSimulation:
             for pod in self.pods.values():
                 lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}.{fqdn} {pod.name}.{sub} {pod.name}"]
                 lines += [f"{p.ip} {p.name}.{sub} {p.name}.{fqdn}" for p in ready if p is not pod]
+                if self.controller is not None:  # the controller's Service, always resolvable
+                    lines.append(f"{self.controller.ip} {tjs.SERVICE_HOST} {tjs.SERVICE_HOST}.{ks.CLUSTER_DOMAIN}")
                 ks.write_hosts(pod, lines)
 
     def _event(self, pod: str, what: str) -> None:
@@ -208,6 +324,8 @@ class TrainJobSimulation:
     def _spec(self, pod: ks.Pod, run: int) -> dict:
         pod_dir = self.workdir / "pods" / f"{pod.name}.{pod.generation}"
         mounts = ks.volume_mounts(pod.name, self.container, self.pod_spec, self.config_maps, self.workdir, pod_dir)
+        if self.status_server is not None:  # the TrainJobStatus plugin's projected volume
+            mounts.append({"kind": "bind", "source": str(self._token_dir(pod)), "target": tjs.MOUNT, "read_only": True})
         return ks.container_spec(
             pod,
             str(run),
@@ -215,7 +333,7 @@ class TrainJobSimulation:
             self.image,
             mounts,
             command=[*(self.container.get("command") or []), *(self.container.get("args") or [])],
-            env=container_env(self.job, self.runtime, pod.index),
+            env=container_env(self.job, self.runtime, pod.index, self.status_server is not None),
             cwd=self.container.get("workingDir", "/"),
         )
 
@@ -247,6 +365,7 @@ class TrainJobSimulation:
         self._next_ip += 1
         pod.phase, pod.reason, pod.restarts, pod.deleting, pod.ready = "Pending", "", 0, False, False
         pod.stop = threading.Event()
+        self._write_token(pod)  # a new pod: its projected volume, with a token of its own
         pod.thread = threading.Thread(target=self._kubelet, args=(pod,), name=pod.name, daemon=True)
         self._event(pod.name, f"created generation={pod.generation} restart-attempt={self.restart_attempt}")
         pod.thread.start()
@@ -258,7 +377,10 @@ class TrainJobSimulation:
         if pod.pid1 is None:
             return
         grace = self.pod_spec.get("terminationGracePeriodSeconds", GRACE_DEFAULT_S)
-        self.kill(pod.name, signal.SIGTERM)
+        try:
+            self.kill(pod.name, signal.SIGTERM)
+        except (ProcessLookupError, RuntimeError):  # its container exited between the check and the signal
+            return
 
         def sigkill(gen: int = pod.generation) -> None:
             if pod.generation == gen and pod.pid1:
