@@ -153,6 +153,16 @@ class TrainingFailed(JobError, RuntimeError):
         self.exit_code = max(codes.values())
 
 
+class ReportFailed(Exception):
+    """A progress-report sink (job.observe.status) could not deliver a status (unreachable, refused, no
+    token...): logged, never fatal. ``permanent``: no later try can succeed (the sink is not tried again in
+    this run)."""
+
+    def __init__(self, sink: str, reason: str, permanent: bool = False) -> None:
+        super().__init__(f"{sink}: {reason}")
+        self.sink, self.reason, self.permanent = sink, reason, permanent
+
+
 # A gloo collective that times out raises a plain RuntimeError (no torch type), with one of these texts:
 # the operation that hit the timeout, and every later operation on the pair the timeout closed. Both
 # measured with torch 2.14.1 (two gloo processes, one sleeping past dist.set_timeout).

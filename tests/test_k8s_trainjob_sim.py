@@ -359,7 +359,8 @@ def test_language_model_suspended_and_resumed_ends_bitwise(tmp_path: Path) -> No
 # ----------------------------------------------------------------------------- TrainJob status (progress)
 POST_TWICE = """
 import os, sys, time
-from job.observe.status import ReportFailed, Status
+from job.errors import ReportFailed
+from job.observe.status import Status
 from job.observe.trainjob import TrainJobProgress
 sink = TrainJobProgress.from_environ(os.environ)
 assert sink is not None, "no KUBEFLOW_TRAINER_SERVER_* variables"

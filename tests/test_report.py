@@ -18,9 +18,10 @@ from support.ci import bin_path
 from support.cli import base_env, make_data, run_cli
 from support.runs import tiny_args
 
+from job.errors import ReportFailed
 from job.observe import report
 from job.observe.report import SlurmComment, StatusFile, StatusReporter, comment_text, status_record
-from job.observe.status import ReportFailed, Status
+from job.observe.status import Status
 
 WAIT_S = 30.0
 """How long a test waits for a thread to do what it must (an upper bound against hangs, never a measured time)."""

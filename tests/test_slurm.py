@@ -27,8 +27,9 @@ from support.cli import make_data
 from support.runs import rank_pids, tfevents_writer
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
+from job.errors import ReportFailed
 from job.observe.report import SlurmComment
-from job.observe.status import ReportFailed, Status
+from job.observe.status import Status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 

@@ -14,7 +14,8 @@ import pytest
 import trustme
 from support import trainjob_status as tjs
 
-from job.observe.status import ReportFailed, Status
+from job.errors import ReportFailed
+from job.observe.status import Status
 from job.observe.trainjob import (
     CA_CERT_ENV,
     CHECKPOINT_AGE,

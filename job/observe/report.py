@@ -27,7 +27,8 @@ from typing import Any
 
 from job.cluster.env import DistEnv
 from job.config import JobConfig
-from job.observe.status import ReportFailed, Sink, Status
+from job.errors import ReportFailed
+from job.observe.status import Sink, Status
 from job.observe.trainjob import TrainJobProgress
 
 log = logging.getLogger("job")

@@ -3,7 +3,7 @@
 A ``Status`` is a snapshot taken at a log step on the training thread (no device access: every number in it
 is already on the host). Sinks (the run directory's status file, the Slurm job's comment, a TrainJob's
 progress endpoint) receive it off the training thread, each at its own minimum interval; a failing sink
-raises ``ReportFailed`` and training goes on.
+raises ``job.errors.ReportFailed`` and training goes on.
 """
 
 from __future__ import annotations
@@ -48,15 +48,6 @@ class Status:
         if self.step_time_s <= 0:
             return None
         return round(max(self.total_steps - self.step, 0) * self.step_time_s)
-
-
-class ReportFailed(Exception):
-    """A sink could not deliver a status (unreachable, refused, no token...): logged, never fatal. ``permanent``:
-    no later try can succeed (the sink is not tried again in this run)."""
-
-    def __init__(self, sink: str, reason: str, permanent: bool = False) -> None:
-        super().__init__(f"{sink}: {reason}")
-        self.sink, self.reason, self.permanent = sink, reason, permanent
 
 
 class Sink(Protocol):

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from job.observe.status import ReportFailed, Status
+from job.errors import ReportFailed
+from job.observe.status import Status
 
 URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
 CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
