@@ -1,9 +1,11 @@
 """The non-finite guard: an update whose loss or gradient norm is NaN/Inf is skipped, decided on the device.
 
 Fused SGD/AdamW take the flag as ``found_inf`` (as GradScaler hands it to them) and skip inside the kernel, so the
-host queues the next step while the device drains. Other optimizers (ZeRO, LARS, LAMB) have no such input: the
-host reads the flag through a pinned copy issued as soon as it exists, right before their update. The skips are
-counted on the device and checked against ``train.max_nonfinite_skips`` at log and checkpoint steps only.
+host queues the next step while the device drains. Other optimizers (ZeRO, LARS, LAMB) have no such input: on a
+GPU their update is undone on the device where the flag is set, and the host reads the flag one step late, only
+for the state it keeps itself (job.train.rollback). On the CPU the flag is a host tensor, read before the update
+(no device to wait for). The skips are counted on the device and checked against ``train.max_nonfinite_skips`` at
+log and checkpoint steps only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 from job.errors import NonFiniteError
+from job.train.rollback import Rollback, state_complete
 
 log = logging.getLogger("job")
 
@@ -29,9 +32,15 @@ class NonFiniteGuard:
     """Skips and counts non-finite updates; ``fp16``: GradScaler's overflow skips count too, and the limit is on
     skips in a row (the scaler skips deliberately now and then; a poisoned run skips every step)."""
 
-    def __init__(self, optimizer: Optimizer, device: torch.device, limit: int, fp16: bool) -> None:
+    def __init__(
+        self, optimizer: Optimizer, device: torch.device, limit: int, fp16: bool, rollback: Rollback | None = None
+    ) -> None:
         self.optimizer, self.limit, self.fp16 = optimizer, limit, fp16
         self.fused = takes_found_inf(optimizer)
+        if rollback is None and not self.fused and device.type == "cuda":
+            rollback = Rollback(optimizer, device)
+        self.rollback = rollback
+        """Undoes skipped updates on the device for an optimizer without ``found_inf`` (None: read the flag)."""
         self.skips = torch.zeros((), dtype=torch.int64, device=device)
         """Skips since the last ``check``."""
         self.streak = torch.zeros((), dtype=torch.int64, device=device)
@@ -55,7 +64,9 @@ class NonFiniteGuard:
                 self.optimizer.step()
             finally:
                 del opt.grad_scale, opt.found_inf
-        elif not self._read(found_inf):
+        elif self.rollback is not None and state_complete(self.optimizer):
+            self.rollback.step(found_inf)
+        elif not self._read(found_inf):  # the first update creates the state: nothing to roll back to before it
             self.optimizer.step()
         skipped = found_inf.to(torch.int64)
         self.skips += skipped
@@ -63,7 +74,7 @@ class NonFiniteGuard:
         torch.maximum(self.max_streak, self.streak, out=self.max_streak)
 
     def _read(self, found_inf: torch.Tensor) -> bool:
-        """The flag on the host for an optimizer without ``found_inf``: one transfer into pinned memory."""
+        """The flag on the host: one transfer into pinned memory (on a GPU only before the first update)."""
         self._host.copy_(found_inf, non_blocking=True)
         if found_inf.device.type == "cuda":
             event = torch.cuda.Event()
@@ -78,6 +89,8 @@ class NonFiniteGuard:
         Raises:
             NonFiniteError: more than ``train.max_nonfinite_skips`` skips (in a row with fp16).
         """
+        if self.rollback is not None:
+            self.rollback.settle()  # before anything (a save) reads the optimizer state
         skips, max_streak = torch.stack([self.skips, self.max_streak]).tolist()
         since, self.checked_step = self.checked_step, step
         self.skips.zero_()
