@@ -11,6 +11,7 @@ tests read their results: on 2 cores that halves the wall time of ~8 `import tor
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import time
@@ -217,8 +218,11 @@ def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
         "storage.data",
         "communication.allreduce",
         "communication.bandwidth",
+        "topology.peer_access",
+        "topology.numa",
     ):
         assert status[name] == "PASS", (name, r.stdout)
+    assert re.search(r"^PASS topology\.numa +skipped: no GPU \[all ranks\]$", r.stdout, re.M), r.stdout
     bw = next(c for c in report["checks"] if c["name"] == "communication.bandwidth")["data"]
     assert [row["size_bytes"] for row in bw["rows"]] == [4096, 65536, 1048576]
     for row in bw["rows"]:  # nccl-tests: algbw = bytes / time, busbw = algbw x 2(n-1)/n
@@ -261,6 +265,9 @@ def test_tiny_dev_shm(failures: dict) -> None:
     assert r["rc"] == 2, r["out"]
     assert lines and "/dev/shm: 1.0 MiB free of 1.0 MiB" in lines[0], r["out"]
     assert "--shm-size=" in r["out"]
+    # a single process: the sweep still runs, but nothing crosses ranks
+    assert "PASS communication.bandwidth  1 rank: busbw n/a (no communication)" in r["out"], r["out"]
+    assert re.search(r"^ +4096 B .* busbw +n/a GB/s$", r["out"], re.M), r["out"]
 
 
 def test_train_runs_the_quick_checks_first(failures: dict) -> None:

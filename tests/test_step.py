@@ -8,6 +8,7 @@ raise ``NonFiniteError``.
 from __future__ import annotations
 
 import copy
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support.fake_cuda import FakeEvents
 from support.runs import tiny_args
 from torch import nn
 
@@ -224,3 +226,77 @@ def test_optimizers_without_found_inf_skip_without_a_host_read(
     assert all(torch.isfinite(p).all() for p in parts.raw_model.parameters())
     moved = [k for k, v in parts.raw_model.state_dict().items() if not torch.equal(v, before[k])]
     assert moved  # step 2's update ran
+
+
+class Recorder:
+    """A writer that keeps the scalars it is given."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def scalars(self, step: int, scalars: dict[str, float]) -> None:
+        self.rows.append((step, scalars))
+
+
+def observed(
+    runtime: distributed.Runtime, tmp_path: Path, steps: int, clock: Any, *extra: str
+) -> tuple[Parts, Any, TrainLog, Recorder, Any]:
+    """Parts and an observer publishing every ``steps`` steps, timing busy spans with ``clock`` (None: the device's)."""
+    parts, plan, cfg = build(runtime, "--log.every", str(steps), "--run.output-dir", str(tmp_path), *extra)
+    writer = Recorder()
+    env = detect_env({})
+    observer = Observer(cfg, env, None, parts.raw_model, parts.device, plan.global_batch_size, writer, 0, clock=clock)
+    state = TrainState()
+    debug.install(cfg.debug, 0, parts, state)
+    batches = parts.loaders.batches(state)
+    train_log = TrainLog(steps, cfg.train.steps, plan.global_batch_size, parts.device, NullWriter(), observer)
+
+    def step(pause_s: float = 0.0) -> None:
+        train_log.before_step()
+        out = train_step(parts, batches, plan, state, cfg.train)
+        time.sleep(pause_s)  # after the gradients are ready, before the step ends: an all-reduce wait
+        train_log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+
+    return parts, plan, train_log, writer, step
+
+
+def test_busy_time_on_the_cpu_runs_from_the_step_start_to_the_gradients(
+    runtime: distributed.Runtime, tmp_path: Path
+) -> None:
+    """The host's clock: busy covers the forward pass (slowed by 0.05 s) and ends when the gradients are ready,
+    not with the step (which waits 0.1 s more)."""
+    slow = ["--debug.straggler-delay-s", "0.05", "--debug.straggler-rank", "0"]
+    parts, _, _, writer, step = observed(runtime, tmp_path, 3, None, *slow)
+    for _ in range(3):
+        step(pause_s=0.1)
+    ((at, s),) = writer.rows
+    assert at == 3 and parts.device.type == "cpu"
+    assert 0.05 <= s["straggler/busy_s_max"] < s["straggler/step_s_max"] - 0.09, s
+
+
+def test_busy_time_on_cuda_events_is_read_only_when_the_observer_publishes(
+    runtime: distributed.Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The GPU's path, its events simulated on the CPU: each step records its start and, from backward's hook, its
+    gradients ready (once per micro-batch, the last counts); the steps in between read nothing, the publish step
+    waits for the window's events and reports the mean span."""
+    monkeypatch.setattr(optim, "_impl_kwargs", lambda device, zero: {"fused": True})  # as on CUDA: no flag read
+    events = FakeEvents()
+    parts, plan, _, writer, step = observed(runtime, tmp_path, 4, events.stopwatch(), "--train.micro-batch-size", "4")
+    assert plan.grad_accum_steps == 2
+    syncs = HostSyncs(monkeypatch)
+    for n in range(1, 4):
+        step()
+        assert events.log == ["record"] * (1 + 3 * n)  # the first start, then 2 gradients + the next start per step
+    assert syncs.calls == [] and writer.rows == []
+    monkeypatch.undo()
+    step()
+    assert events.count("elapsed_time") == 4 and events.count("synchronize") == 8, events.log
+    # events in order: start of step 1, its 2 gradients-ready, start of step 2, ...: a step's span is its start
+    # to its last gradients
+    t = [e.t for e in events.created]
+    spans = [t[3 * k + 2] - t[3 * k] for k in range(4)]
+    ((at, s),) = writer.rows
+    assert at == 4 and s["straggler/busy_s_max"] == pytest.approx(sum(spans) / 4)
+    step()
+    assert events.count("elapsed_time") == 4  # the next window is read at its own publish step

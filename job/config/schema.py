@@ -405,10 +405,11 @@ class DoctorConfig(BaseModel):
     """train: run the quick checks (topology, versions, rendezvous, all-reduce correctness, /dev/shm, storage) first."""
     rendezvous_timeout_s: float = Field(60.0, gt=0)
     """Retry resolving MASTER_ADDR and connecting to MASTER_PORT this long (pods start before their DNS names exist)."""
-    comm_sizes_kb: tuple[int, ...] = (4, 64, 1024, 8192)
-    """ddp-job doctor: all-reduce message sizes (KiB) timed for algorithm/bus bandwidth."""
-    comm_iters: int = Field(5, ge=1)
-    """ddp-job doctor: timed all-reduce iterations per size (after one warm-up)."""
+    comm_sizes_kb: tuple[int, ...] = ()
+    """ddp-job doctor: all-reduce message sizes (KiB) timed for algorithm/bus bandwidth; empty: the backend's own
+    (job.doctor.communication.SWEEPS: up to 1 GiB on NCCL, where NVLink needs large messages; small on gloo)."""
+    comm_iters: int = Field(0, ge=0)
+    """ddp-job doctor: timed all-reduce iterations per size, after untimed warm-ups; 0: the backend's own count."""
 
 
 class ObserveConfig(BaseModel):

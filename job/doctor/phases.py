@@ -3,12 +3,13 @@
 Runs under any launcher exactly like ``train`` (same ``load_config``, same ``detect_env``, same
 ``distributed.setup``), in three phases:
 
-1. local checks on every rank (topology, versions, /dev/shm, storage, data) and the rendezvous endpoint,
-   checked *before* ``init_process_group`` (which would block on a dead endpoint for the whole init timeout);
+1. local checks on every rank (topology: GPUs, their peer access and NUMA placement; versions, /dev/shm,
+   storage, data) and the rendezvous endpoint, checked *before* ``init_process_group`` (which would block on
+   a dead endpoint for the whole init timeout);
 2. the process group, then one ``all_gather_object`` of every rank's facts: ranks unique and consistent
    with the launcher's layout, the same config hash and library versions everywhere;
-3. communication: an all-reduce checked for correctness, then (``ddp-job doctor`` only) timed over
-   ``doctor.comm_sizes_kb`` with algorithm and bus bandwidth as nccl-tests define them.
+3. communication: an all-reduce checked for correctness, then (``ddp-job doctor`` only) timed over the
+   backend's sweep of sizes (``doctor.comm_sizes_kb``) with algorithm and bus bandwidth as nccl-tests define them.
 
 Rank 0 prints one line per check (worst status over ranks) and writes ``run_dir/doctor.json``. Exit code:
 0 without FAIL; 1 when only rendezvous/communication failed (may heal on restart); 2 otherwise (bad input).
@@ -32,8 +33,9 @@ from job.config import JobConfig, load_config
 from job.config.plan import make_plan
 from job.doctor import checks as dc
 from job.doctor.checks import FAIL, PASS, Check
-from job.doctor.communication import comm_checks
+from job.doctor.communication import comm_checks, sweep_for
 from job.doctor.consistency import consistency_checks, facts_of
+from job.doctor.gpu_topology import gpu_topology_checks
 from job.doctor.report import exit_code, merge, print_checks, summary, write_report
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, DoctorFailed, JobError
 from job.parallel import distributed
@@ -70,6 +72,17 @@ def topology_check(env: DistEnv) -> Check:
     )
 
 
+def own_gpu(env: DistEnv, backend: str) -> int | None:
+    """The index of the GPU this rank trains on, as distributed.setup will pick it; None without one."""
+    try:
+        device = distributed.pick_device(env, backend)
+    except BadInput:
+        return None  # more processes than GPUs: check_gpus says so
+    if device.type != "cuda":
+        return None
+    return device.index
+
+
 def local_checks(
     cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, str], probes: Probes
 ) -> tuple[list[Check], dict[str, str]]:
@@ -86,6 +99,7 @@ def local_checks(
         checks.append(Check("config.batch", FAIL, e.what, e.fix))
         micro = max(1, cfg.train.global_batch_size // env.world_size)
     checks.append(dc.check_gpus(env, backend, torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    checks += gpu_topology_checks(own_gpu(env, backend))
     vers = dc.versions()
     checks.append(dc.check_cuda_driver(vers))
     checks.append(dc.check_flight_recorder(backend, dict(environ)))
@@ -143,7 +157,8 @@ def group_phase(
     facts: list[Any] = [None] * world
     dist.all_gather_object(facts, facts_of(cfg, env, local.checks, local.versions), group=rt.control_group)
     shared = consistency_checks(facts, world)
-    shared += comm_checks(rt, world, dist.get_rank(), full, cfg.doctor.comm_sizes_kb, cfg.doctor.comm_iters)
+    sweep = sweep_for(rt.backend, cfg.doctor.comm_sizes_kb, cfg.doctor.comm_iters)
+    shared += comm_checks(rt, world, dist.get_rank(), full, sweep)
     per_rank = [f["checks"] for f in facts]
     merged = merge([per_rank[0] + [asdict(c) for c in shared], *per_rank[1:]], world, frozenset(c.name for c in shared))
     report = {

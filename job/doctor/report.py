@@ -59,12 +59,17 @@ def print_checks(merged: list[dict[str, Any]], only_problems: bool) -> None:
             continue
         print(m["line"], flush=True)
         for row in m["data"].get("rows", []) if not only_problems else []:  # nccl-tests style table
-            print(
-                f"     {row['size_bytes']:>10} B {row['time_us']:>10.0f} us  algbw {row['algbw_GBps']:7.3f} GB/s  busbw {row['busbw_GBps']:7.3f} GB/s",
-                flush=True,
-            )
+            print(bandwidth_line(row), flush=True)
         if m["status"] != PASS and m["fix"]:
             print(f"     fix: {m['fix']}", flush=True)
+
+
+def bandwidth_line(row: dict[str, Any]) -> str:
+    """One size of the bandwidth sweep, nccl-tests style; busbw n/a on one rank (nothing crosses ranks)."""
+    busbw = "    n/a"
+    if row["busbw_GBps"] is not None:
+        busbw = f"{row['busbw_GBps']:7.3f}"
+    return f"     {row['size_bytes']:>10} B {row['time_us']:>10.0f} us  algbw {row['algbw_GBps']:7.3f} GB/s  busbw {busbw} GB/s"
 
 
 def summary(merged: list[dict[str, Any]], wall: float) -> str:

@@ -2,13 +2,17 @@
 
 All ranks measure, rank 0 writes (its TensorBoard writer; the others hold a NullWriter). Every
 ``observe.every`` steps (default ``log.every``) one small ``all_gather`` over the CPU control group
-(gloo: no GPU stream sync) collects each rank's window averages.
+(gloo: no GPU stream sync) collects each rank's window averages; on a GPU that step first waits for its own
+gradients, to read the window's busy times (below).
 
 Why "busy time" and not step time: DDP's gradient all-reduce makes every rank's step last as long as the
 slowest one's, so step times cannot name a straggler. Each rank therefore timestamps the moment its own
 gradients are ready (a post-accumulate-grad hook on the first parameter, whose gradient backward computes
 last) and reports busy = data wait + forward + backward up to that moment, and wait = the rest (the
 all-reduce wait, optimizer step). The rank with the largest busy time is the one the others wait for.
+On a GPU both ends of the busy span are CUDA events on the current stream (``job.observe.stopwatch``): the
+host's clock would time the queueing of the kernels, not their run. The events are read when the observer
+publishes, never on the steps in between, so those steps add no host synchronisation.
 
 Each rank also keeps ``run_dir/progress/rank-NNNNN`` current (one ``pwrite``, no rename, per phase): its
 last completed step and whether its gradients for the next step are ready. On a collective timeout
@@ -35,6 +39,7 @@ from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.errors import CollectiveTimeout, JobError, is_collective_timeout
 from job.observe.metrics import memory_mb
+from job.observe.stopwatch import Stopwatch, stopwatch
 
 log = logging.getLogger("job")
 
@@ -131,17 +136,23 @@ class Observer:
         writer: Any,
         start_step: int,
         flops_per_sample: float = 0.0,
+        clock: Stopwatch | None = None,
     ) -> None:
-        """``flops_per_sample``: training FLOPs per item (the task's ``flops_per_item``; 0: no MFU)."""
+        """``flops_per_sample``: training FLOPs per item (the task's ``flops_per_item``; 0: no MFU). ``clock``:
+        what times the busy spans, the device's own stopwatch unless a test hands in another."""
         self.cfg, self.env, self.group, self.device, self.writer = cfg, env, control_group, device, writer
         self.every = cfg.observe.every or cfg.log.every
         self.global_batch = global_batch
         self.next_step = start_step + 1
+        self._clock = clock or stopwatch(device)
         self._last_end = time.perf_counter()
         self._last_cpu = time.process_time()
-        self._grads_t: float | None = None
+        self._busy_from: Any = self._clock.point()
+        self._grads_at: Any = None
+        self._busy: list[tuple[Any, Any]] = []
+        """This window's busy spans, one (start, gradients ready) pair of clock points per step, read at publish."""
         self._seen_data = 0.0
-        self._window = [0.0, 0.0, 0.0, 0, 0.0]  # step_s, busy_s, data_s, steps, cpu_s
+        self._window = [0.0, 0.0, 0, 0.0]  # step_s, data_s, steps, cpu_s
         self._prof: Any = None
         self._prof_end = 0
         self.flops = flops_per_sample
@@ -162,7 +173,7 @@ class Observer:
 
     # --- hooks ---
     def _grads_ready(self, _param: torch.Tensor) -> None:
-        self._grads_t = time.perf_counter()
+        self._grads_at = self._clock.point()  # each micro-batch's backward: the last one's counts
         self._write_progress(self.next_step - 1, self.next_step)
 
     def _write_progress(self, done: int, grads: int) -> None:
@@ -172,18 +183,20 @@ class Observer:
     # --- per step ---
     def step_done(self, step: int, timer: Any) -> dict[str, float] | None:
         """After optimizer step ``step`` (every rank); on the steps it publishes, rank 0 gets the statistics."""
-        now, cpu = time.perf_counter(), time.process_time()
-        busy = (self._grads_t or now) - self._last_end
+        now, cpu, end = time.perf_counter(), time.process_time(), self._grads_at
+        if end is None:  # a step without a backward pass: busy all along
+            end = self._clock.point()
+        self._busy.append((self._busy_from, end))
+        self._busy_from, self._grads_at = self._clock.point(), None
         w = self._window
         w[0] += now - self._last_end
-        w[1] += busy
         # metrics.StepTimer accumulates data wait since its last reset (at each log step).
-        w[2] += timer.data_s if timer.steps == 1 else timer.data_s - self._seen_data
-        w[3] += 1
-        w[4] += cpu - self._last_cpu
+        w[1] += timer.data_s if timer.steps == 1 else timer.data_s - self._seen_data
+        w[2] += 1
+        w[3] += cpu - self._last_cpu
         self._last_cpu = cpu
         self._seen_data = timer.data_s
-        self._last_end, self._grads_t = now, None
+        self._last_end = now
         self.next_step = step + 1
         self._write_progress(step, -1)
         self._profile(step)
@@ -193,13 +206,15 @@ class Observer:
 
     def _publish(self, step: int) -> dict[str, float] | None:
         """Gather every rank's window; rank 0 writes the cross-rank statistics and returns them."""
-        step_s, busy_s, data_s, n, cpu_s = self._window
+        step_s, data_s, n, cpu_s = self._window
         n = max(n, 1)
+        busy_s = sum(self._clock.seconds(a, b) for a, b in self._busy)  # on a GPU: waits for this step's gradients
+        self._busy = []
         data_frac = data_s / step_s if step_s > 0 else 0.0
         window = {"step_s": step_s / n, "busy_s": busy_s / n, "data_wait_frac": data_frac, "cpu_s": cpu_s / n}
         window.update(memory_mb(self.device))
         mine = [window[f] for f in _FIELDS]
-        self._window = [0.0, 0.0, 0.0, 0, 0.0]
+        self._window = [0.0, 0.0, 0, 0.0]
         t = torch.tensor(mine, dtype=torch.float64)
         rows = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, t, group=self.group)
