@@ -5,7 +5,7 @@ decoder (libjpeg-turbo here, nvJPEG there) and the side stream's objects (job.da
 on real decoded JPEGs: both paths decode with libjpeg-turbo's default IDCT (identical pixels); the batched crop
 (job.data.resample) is then at most 1 level from the per-image path on any pixel. Against the worker path's
 uint8 CPU kernels (fixed-point weights, rounded between the two passes) up to 18 % of pixels differ by 1
-(measured, bound 25 %); against the per-image float32 kernels, what torchvision runs on a GPU, at most 0.07 %
+(measured, bound 25 %); against the per-image float32 kernels, what torchvision runs on a GPU, at most 0.08 %
 (bound 0.5 %). nvJPEG rounds its IDCT differently, by a few levels on some pixels, which only the GPU run in
 tools/gpu_run.sh sees.
 """
