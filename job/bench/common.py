@@ -99,6 +99,12 @@ def emit(name: str, result: dict[str, Any]) -> None:
     print(json.dumps(out, sort_keys=True, default=float), flush=True)
 
 
+def emit_point(name: str, result: dict[str, Any]) -> None:
+    """One measurement's JSON line (``"point": true``), printed as soon as it is known: a run stopped later (a
+    timeout, a budget) keeps what it measured. The benchmark's summary is still the last line (``emit``)."""
+    emit(name, {"point": True, **result})
+
+
 def child_env(tmp: Path, **extra: str) -> dict[str, str]:
     """A clean environment for a job subprocess (no inherited launcher/JOB_* variables), TMPDIR under ``tmp``."""
     drop = ("JOB_", *LAUNCHER_VAR_PREFIXES)

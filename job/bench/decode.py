@@ -1,7 +1,8 @@
 """Decode paths side by side (part of ``ddp-job bench data``): images/s delivered to the trainer as normalised
 float batches on the training device, decoding in the DataLoader workers (``data.decode=cpu``: PIL) vs on the
 device (``data.decode=device``: workers read bytes and draw crops, torchcodec decodes the batch on the device).
-Both through the trainer's own loaders and host-to-device step (``build_loaders``, ``to_device``), with the same
+Both through the trainer's own loaders and host-to-device step (``build_loaders``, ``wrap_loaders``, ``to_device``:
+on the device path the next batch is decoded in a background thread), with the same
 generated JPEGs (larger than the demo's, e.g. 320 px cropped to 224) and the same crops. On a CPU-only machine
 the "device" is the CPU: the main process decodes, so the ratio says how much the worker processes buy there;
 on a GPU node tools/gpu_run.sh runs the same comparison against the GPU's consumption.
@@ -22,13 +23,15 @@ def decode_rate(path: Path, decode: str, workers: int, batch: int, crop: int, ba
 
     from job.config import DataConfig
     from job.data.loaders import to_device
+    from job.data.prefetch import wrap_loaders
     from job.data.source import build_loaders
 
     cfg = DataConfig(
         source="imagefolder", path=path, num_classes=10, image_size=crop, num_workers=workers, decode=decode
     )
-    loaders = build_loaders(cfg, 0, 1, batch, 0, device)
-    it = iter(loaders.train)
+    # as the trainer reads them: on the device path the next batch is decoded in a background thread
+    loaders = wrap_loaders(build_loaders(cfg, 0, 1, batch, 0, device), device, True, False)
+    it: Any = iter(loaders.train)
     for _ in range(2):
         to_device(next(it), device)
     if device.type == "cuda":
@@ -41,6 +44,7 @@ def decode_rate(path: Path, decode: str, workers: int, batch: int, crop: int, ba
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dt = time.perf_counter() - t0
+    it.close()  # ends a decode thread now
     del it, loaders
     return n / dt
 
@@ -81,28 +85,39 @@ GPU_RUNS = ("synthetic", "cpu", "gpu")  # run names data-<name> in tools/gpu_run
 GPU_GOAL = 0.95  # decoded-JPEG throughput / synthetic throughput with data.decode=gpu
 
 
-def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
-    """tools/gpu_run.sh's data comparison: each path's trained img/s over the synthetic-data img/s."""
-    import json
+def run_rate(runs: Path, name: str, warmup_steps: int) -> float:
+    """The trained img/s of run ``data-<name>``: the median of its logged ``perf/samples_per_s`` after warm-up."""
     import statistics
 
-    rate = {}
-    for name in GPU_RUNS:
-        values = [
-            v for step, v, _ in common.scalars(runs / f"data-{name}", "perf/samples_per_s") if step > warmup_steps
-        ]
-        rate[name] = statistics.median(values)
+    values = [v for step, v, _ in common.scalars(runs / f"data-{name}", "perf/samples_per_s") if step > warmup_steps]
+    return statistics.median(values)
+
+
+def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
+    """tools/gpu_run.sh's data comparison: each path's trained img/s over the synthetic-data img/s."""
+    rate = {name: run_rate(runs, name, warmup_steps) for name in GPU_RUNS}
     out: dict[str, Any] = {
         "img_s": rate,
         "cpu_over_synthetic": rate["cpu"] / rate["synthetic"],
         "gpu_over_synthetic": rate["gpu"] / rate["synthetic"],
     }
     out["goal_gpu_ge_0_95"] = out["gpu_over_synthetic"] >= GPU_GOAL
-    print(json.dumps({"bench": "decode_gpu", **out}))
+    common.emit("decode_gpu", out)
     return out
+
+
+def main(argv: list[str]) -> int:
+    """``python -m job.bench.decode RUNS WARMUP [NAME]``: one run's img/s as soon as it has run (NAME), or the
+    comparison of the three (a JSON line each)."""
+    runs, warmup = Path(argv[0]), int(argv[1])
+    if len(argv) > 2:
+        common.emit_point("decode_gpu", {"run": argv[2], "img_s": run_rate(runs, argv[2], warmup)})
+        return 0
+    summarise_gpu(runs, warmup)
+    return 0
 
 
 if __name__ == "__main__":
     import sys
 
-    summarise_gpu(Path(sys.argv[1]), int(sys.argv[2]))
+    raise SystemExit(main(sys.argv[1:]))

@@ -139,6 +139,7 @@ def main(argv: list[str]) -> int:
                 order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]  # rotate who runs first
                 for k in order:
                     per[str(n)][k].append(run_variant(k, n, a, tmp, f"{k}-n{n}-r{rep}"))
+                    common.emit_point("overhead", {"variant": k, "nprocs": n, "rep": rep, **per[str(n)][k][-1]})
     result: dict[str, Any] = {
         "quick": a.quick,
         "config": {

@@ -6,7 +6,11 @@ x 2) forward per image; training = 3x forward (forward + backward for inputs and
 Published for comparison: NVIDIA DeepLearningExamples ResNet-50 v1.5, 2,470 img/s on A100-80GB (AMP,
 DGX A100, 1 GPU); H100 runs of the same scripts about 2,800 img/s. Goal: >= 4,000 img/s on the H200.
 
-    ddp-job bench scaling [--quick] [--batches 128,256,384,512] [--compile both|on|off]
+    ddp-job bench scaling [--quick] [--batches 128,256,384,512] [--compile both|on|off] [--compile-batches 512]
+                          [--budget-s SECONDS]
+
+Each measurement prints its JSON line when it is done (``"point": true``); the summary is the last line.
+Compiled: one static-shape graph per compiled batch size (``dynamic=False``: no dynamic-shape recompile).
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ def peak_flops(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
+# Seconds a measurement may take, at most, on a GPU (model built, warm-up, timed steps; a compiled one: one cold
+# inductor compile of ResNet-50's forward and backward). A measurement that would end past --budget-s is skipped.
+COST_S = {False: 15.0, True: 100.0}
+
+
 def measure(batch: int, compile_: bool, steps: int, warmup: int, size: int) -> dict[str, Any]:
     import torch
     import torchvision
@@ -33,7 +42,8 @@ def measure(batch: int, compile_: bool, steps: int, warmup: int, size: int) -> d
     dev = torch.device("cuda")
     model = torchvision.models.resnet50(weights=None).to(dev, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)
-    step_model = torch.compile(model) if compile_ else model
+    # dynamic=False: one static graph for this batch size, never a dynamic-shape recompile
+    step_model = torch.compile(model, dynamic=False) if compile_ else model
     x = torch.randn(batch, 3, size, size, device=dev).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device=dev)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -73,6 +83,21 @@ def measure(batch: int, compile_: bool, steps: int, warmup: int, size: int) -> d
     }
 
 
+def plan(a: argparse.Namespace) -> list[tuple[int, bool]]:
+    """(batch, compiled) in the order measured: every eager batch first (seconds each), then the compiled ones
+    (``--compile-batches``, by default only the largest batch: one cold compile)."""
+    batches = [int(b) for b in ("128" if a.quick else a.batches).split(",")]
+    compiled = batches[-1:]
+    if a.compile_batches:
+        compiled = [int(b) for b in a.compile_batches.split(",")]
+    out = []
+    if a.compile in ("both", "off"):
+        out += [(b, False) for b in batches]
+    if a.compile in ("both", "on"):
+        out += [(b, True) for b in compiled]
+    return out
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="ddp-job bench scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,7 +107,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compile", default="both", choices=("both", "on", "off"))
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--size", type=int, default=224)
+    p.add_argument(
+        "--compile-batches",
+        default=None,
+        help="the batch sizes measured compiled (default: the largest of --batches): one cold compile each",
+    )
+    p.add_argument("--budget-s", type=float, default=None, help="start no measurement that could end later")
     a = p.parse_args(argv)
+    t0 = time.monotonic()
     import torch
 
     if not torch.cuda.is_available():
@@ -95,16 +127,21 @@ def main(argv: list[str]) -> int:
         return 2
     name = torch.cuda.get_device_name()
     peak = peak_flops(name)
-    batches = [int(b) for b in ("128" if a.quick else a.batches).split(",")]
-    compiles = {"both": [False, True], "on": [True], "off": [False]}[a.compile]
     steps = a.steps or (5 if a.quick else 30)
-    results = []
-    for c in compiles:
-        for b in batches:
-            r = measure(b, c, steps, 3 if not c else 5, a.size)
-            r["mfu"] = r["img_s"] * 3 * RESNET50_FWD_FLOPS * (a.size / 224) ** 2 / peak if peak else None
-            results.append(r)
-            print(f"batch {b} compile {c}: {r['img_s']:.0f} img/s", flush=True)
+    results, skipped = [], []
+    for b, c in plan(a):
+        if a.budget_s is not None and time.monotonic() - t0 + COST_S[c] > a.budget_s:
+            skipped.append({"batch": b, "compile": c})
+            common.emit_point("scaling", {"skipped": f"would end past --budget-s {a.budget_s:g}", **skipped[-1]})
+            continue
+        r = measure(b, c, steps, 3 if not c else 5, a.size)
+        r["mfu"] = r["img_s"] * 3 * RESNET50_FWD_FLOPS * (a.size / 224) ** 2 / peak if peak else None
+        results.append(r)
+        print(f"batch {b} compile {c}: {r['img_s']:.0f} img/s", flush=True)
+        common.emit_point("scaling", {"gpu": name, **r})
+    if not results:
+        common.emit("scaling", {"quick": a.quick, "gpu": name, "results": [], "skipped": skipped})
+        return 1
     rows = [
         [
             r["batch"],
@@ -134,6 +171,7 @@ def main(argv: list[str]) -> int:
             "results": results,
             "best_img_s": best,
             "goal_ge_4000": best >= 4000,
+            "skipped": skipped,
         },
     )
     return 0

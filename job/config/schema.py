@@ -149,7 +149,9 @@ class DataConfig(BaseModel):
     loader_timeout_s: float = Field(600.0, ge=0)
     """Fail (instead of hanging) when DataLoader workers deliver no batch for this long; 0 waits forever."""
     device_prefetch: bool = True
-    """Copy the next batch to the GPU on a side CUDA stream while this one computes (no-op on CPU)."""
+    """Copy the next batch to the GPU on a side CUDA stream while this one computes (no-op on CPU). With
+    data.decode=gpu/device: decode the next batch in a background thread (on a side stream on CUDA) instead of
+    inside the step."""
     decode: Literal["auto", "cpu", "gpu", "device"] = "auto"
     """Where image files are decoded and augmented. cpu: PIL in the DataLoader workers. gpu: the workers only read
     the JPEG bytes and draw each sample's crop and flip; the batch is decoded (nvJPEG, through torchcodec) and

@@ -4,8 +4,9 @@ The worker path (``data.decode=cpu``) runs the v2 transforms below on each decod
 generator seeded from the sample's ``(seed, epoch, index)``. The device path (``data.decode=gpu``/``device``,
 job.data.device_decode) cannot: the image is decoded later, on the device. Its worker draws the same crop box and
 flip with ``draw_crop`` (the transforms' own parameter code, fed the image's size read from the file header,
-drawing the same numbers in the same order), and the device applies them with the same torchvision kernels
-(``apply_train`` / ``apply_eval``). tests/test_decode.py checks both paths give the same crops and pixels.
+drawing the same numbers in the same order), and the device applies them to the whole batch at once with the
+same antialiased bilinear filter (job.data.resample). tests/test_decode.py checks both paths give the same crops,
+and pixels within one level.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional
 
 # Random resized crop's area range: >= 0.35 rather than ImageNet's 0.08, so small generated images keep their
 # shape in view.
@@ -63,19 +63,3 @@ def draw_crop(height: int, width: int, seed: int) -> Crop:
     finally:
         gen.set_state(state)
     return Crop(int(box["top"]), int(box["left"]), int(box["height"]), int(box["width"]), flip)
-
-
-def apply_train(image: torch.Tensor, crop: Crop, size: int) -> torch.Tensor:
-    """``train_transform`` with its random draws given: the kernels and arguments RandomResizedCrop uses."""
-    out: torch.Tensor = functional.resized_crop(
-        image, crop.top, crop.left, crop.height, crop.width, size=[size, size], antialias=True
-    )
-    if crop.flip:
-        out = functional.horizontal_flip(out)
-    return out
-
-
-def apply_eval(image: torch.Tensor, size: int) -> torch.Tensor:
-    """``eval_transform`` as kernels: shorter side to ``size``, then the centre square."""
-    out: torch.Tensor = functional.center_crop(functional.resize(image, [size], antialias=True), [size, size])
-    return out

@@ -5,9 +5,11 @@ the workers, not the model, would set the pace. On this path a worker reads each
 image size from the JPEG header and draws the sample's crop and flip (``job.data.augment.draw_crop``: the
 same numbers the PIL path draws, from the same per-sample seed). The batch travels as one flat uint8 tensor
 of encoded bytes; ``decode_batch`` decodes it on the device in one batched call (torchcodec's
-``decode_jpeg``: nvJPEG on CUDA, libjpeg-turbo on the CPU) and applies the crops with the torchvision
-kernels the PIL path uses. The sampler, the per-sample seeds and therefore the order, the crops and exact
-resume are those of the worker path; only the decoder differs (tests/test_decode.py states the tolerance).
+``decode_jpeg``: nvJPEG on CUDA, libjpeg-turbo on the CPU) and applies all the batch's crops, resizes and
+flips at once with the PIL path's antialiased bilinear filter (job.data.resample). In training this runs one
+batch ahead in a background thread, on a side stream (job.data.decode_ahead). The sampler, the per-sample seeds
+and therefore the order, the crops and exact resume are those of the worker path; only the decoder and the
+filter's rounding differ (tests/test_decode.py states the tolerance).
 
 Why torchcodec: torchvision's own ``decode_jpeg`` is deprecated in its favour, it is the PyTorch team's
 maintained decoder, it decodes a list of JPEGs in one call on CUDA (batched nvJPEG) and on the CPU (so CI
@@ -32,6 +34,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from job.config import DataConfig
+from job.data.resample import crop_resize
 from job.data.sampler import sample_seed
 from job.data.workers import WorkerFailure, init_error, unreadable_image
 from job.errors import BadInput, JobError
@@ -170,15 +173,15 @@ def collate_encoded(batch: EncodedBatch | WorkerFailure) -> EncodedBatch | Worke
 # ----------------------------------------------------------------------------------------- decode
 def decode_batch(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's images, decoded and cropped on ``device``: uint8 ``B x 3 x S x S``."""
-    from job.data.augment import apply_eval, apply_train  # torchvision, imported by image runs only
+    return crop_resize(_decode(batch, device), batch.crops, batch.image_size)
 
-    images = _decode(batch, device)
-    size = batch.image_size
-    if batch.crops is None:
-        out = [apply_eval(img, size) for img in images]
-    else:
-        out = [apply_train(img, crop, size) for img, crop in zip(images, batch.crops, strict=True)]
-    return torch.stack(out)
+
+def decoded(batch: EncodedBatch, device: torch.device, channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 images, labels) of ``batch`` on ``device``: what job.data.decode_ahead hands to the trainer."""
+    images = decode_batch(batch, device)
+    if channels_last:  # here, on the decode's stream: one kernel less on the training stream
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, batch.labels.to(device, non_blocking=True)
 
 
 def _decode(batch: EncodedBatch, device: torch.device) -> list[torch.Tensor]:

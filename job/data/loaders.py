@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,15 +87,22 @@ class Loaders:
     def batches_per_epoch(self) -> int:
         return self.train_sampler.batches_per_epoch
 
-    def batches(self, position: Any) -> Iterator[Batch]:
+    def batches(self, position: Any) -> Generator[Batch, None, None]:
         """Endless training micro-batches from ``position`` on (anything with ``epoch`` and
         ``micro_batches_in_epoch``, e.g. the trainer's state), advancing it as each batch is handed out, so
-        a checkpoint taken at any step boundary holds exactly where the data stands."""
+        a checkpoint taken at any step boundary holds exactly where the data stands. ``close()`` it when done
+        (the run's cleanup does): it closes the epoch's iterator and any thread behind it."""
         while True:
             self.train_sampler.set_position(position.epoch, position.micro_batches_in_epoch)
-            for batch in self.train:
-                position.micro_batches_in_epoch += 1
-                yield batch
+            epoch = iter(self.train)
+            try:
+                for batch in epoch:
+                    position.micro_batches_in_epoch += 1
+                    yield batch
+            finally:  # closing these batches closes the epoch's too: a decode thread ends with them
+                close = getattr(epoch, "close", None)
+                if close is not None:
+                    close()
             position.epoch += 1
             position.micro_batches_in_epoch = 0
 

@@ -201,6 +201,7 @@ def build_run(
     )
     evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer)
     batches = parts.loaders.batches(state)
+    cleanup.callback(batches.close)  # ends the data pipeline's threads (job.data.decode_ahead) on every exit
     vote = distributed.StepFlagVote(rt)
     reporter = report.build_reporter(cfg, env, os.environ)
     cleanup.callback(reporter.close)  # a run that ends in an error still sends its newest status, bounded
