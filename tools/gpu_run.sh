@@ -71,6 +71,7 @@ bench() {  # bench NAME SECONDS ARGS...: python -m job.bench.NAME ARGS
   run "$name" "$t" "$PY" -m "job.bench.$name" "$@"
 }
 
+# shellcheck disable=SC2016  # "$0" is the inner bash's: the interpreter passed after the script
 run env 30 bash -c 'date -u; nvidia-smi; "$0" -c "import torch, torchvision; print(torch.__version__, torchvision.__version__)"' "$PY"
 bench scaling 130 --batches 128,256,512 --compile both --compile-batches 512 --steps 20 --budget-s 115
 # data: synthetic vs decoded real data through the trainer (JPEG 256 px -> 224 px crops), both decode paths
