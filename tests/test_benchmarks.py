@@ -483,10 +483,19 @@ def test_torchrun_cmd_starts_workers_from_this_interpreter(tmp_path: Path) -> No
     from job.bench.common import torchrun_cmd
 
     script = tmp_path / "worker.py"
-    script.write_text("import os, sys\nprint('worker', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.executable)\n")
+    # A file per worker: two processes printing to one pipe may interleave their lines.
+    script.write_text(
+        "import os, pathlib, sys\n"
+        "out = pathlib.Path(sys.argv[1]) / f\"worker-{os.environ['RANK']}\"\n"
+        "out.write_text(' '.join(['worker', os.environ['RANK'], os.environ['WORLD_SIZE'], sys.executable]))\n"
+    )
     r = subprocess.run(
-        torchrun_cmd(2, [str(script)]), env=base_env(tmp_path), capture_output=True, text=True, timeout=120
+        torchrun_cmd(2, [str(script), str(tmp_path)]),
+        env=base_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("worker"))
+    lines = sorted(p.read_text() for p in tmp_path.glob("worker-*"))
     assert lines == [f"worker 0 2 {sys.executable}", f"worker 1 2 {sys.executable}"]
