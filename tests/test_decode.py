@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 from support.cli import run_cli
-from test_faults import STEPS, Job, assert_bitwise_equal, final_state, jobs, train_args  # noqa: F401
+from support.runs import assert_bitwise_equal
+from test_faults import STEPS, Job, final_state, jobs, train_args  # noqa: F401
 from torchcodec.decoders import decode_jpeg
 
 from job.bench import crops as crops_bench

@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch
 from support import ROOT
 from support.ci import bin_path, require
 from support.cli import base_env, make_data
-from support.runs import tiny_args
+from support.runs import assert_bitwise_equal, tiny_args
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
@@ -173,21 +174,6 @@ def final_state(run_dir: Path) -> dict:
     path = run_dir / f"step-{STEPS:07d}" / "state.pt"
     assert path.is_file(), f"missing {path}: {sorted(p.name for p in run_dir.iterdir())}"
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {list(a)} vs {list(b)}"
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # --- exact resume through every kind of interruption ------------------------------------------------------
@@ -716,10 +702,27 @@ def test_flight_recorder_is_on_by_default_unless_set(tmp_path: Path) -> None:
 
     got = flight_recorder_env({}, tmp_path)
     assert got == {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+        "TORCH_FR_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl_trace_rank_"),
     }
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, tmp_path)
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "100"}, tmp_path)
+    assert "TORCH_FR_BUFFER_SIZE" not in flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "0"}, tmp_path)
+    assert "TORCH_FR_BUFFER_SIZE" not in flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}, tmp_path)
     assert flight_recorder_env({"TORCH_FR_DUMP_TEMP_FILE": "/x/"}, tmp_path).get("TORCH_FR_DUMP_TEMP_FILE") is None
+
+
+def test_flight_recorder_defaults_draw_no_deprecation_warning(tmp_path: Path) -> None:
+    """A process group created under the job's flight-recorder defaults is quiet: torch warns on every group
+    created while a deprecated name of one of these variables is set."""
+    from job.parallel.distributed import flight_recorder_env
+
+    env = {k: v for k, v in base_env().items() if not k.startswith(("TORCH_NCCL_", "TORCH_FR_"))}
+    env.update(flight_recorder_env(env, tmp_path))
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "dist.all_reduce(torch.ones(1)); dist.destroy_process_group(); print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert "deprecated" not in proc.stderr, proc.stderr[-3000:]

@@ -33,7 +33,7 @@ from support import k8s_validate as kv
 from support import lm
 from support import trainjob_status as tjs
 from support.ci import require
-from test_faults import assert_bitwise_equal
+from support.runs import assert_same_end
 
 from job.cluster.env import detect_env
 from job.observe.trainjob import MIN_INTERVAL_S
@@ -328,8 +328,6 @@ def test_language_model_suspended_and_resumed_ends_bitwise(tmp_path: Path) -> No
     and resumed with new pods: every rank resumes from the step all stopped at, and the run ends bitwise equal
     to an uninterrupted run of the same manifests (run beside it, in its own simulation): parameters,
     optimizer state and validation."""
-    from job.checkpoint import store
-
     corpus = lm.make_corpus(tmp_path / "pycorpus")
     ref_docs = _language_model("cpu-smoke", tmp_path / "ref", corpus)
     docs = _language_model("cpu-smoke-kueue", tmp_path / "suspended", corpus)
@@ -347,13 +345,7 @@ def test_language_model_suspended_and_resumed_ends_bitwise(tmp_path: Path) -> No
     assert _config(sim)["ckpt"]["every"] < step < _config(sim)["train"]["steps"], step
     for name in (NODE0, NODE1):
         assert re.findall(r"resumed from \S+ \(step (\d+)", sim.log(name)) == [str(step)] * 2, name
-    want = store.load_state(store.find_latest(ref_dir))  # type: ignore[arg-type]
-    got = store.load_state(store.find_latest(_run_dir(sim)))  # type: ignore[arg-type]
-    for key in ("model", "optimizer"):
-        assert_bitwise_equal(want[key], got[key], key)
-    assert want["trainer"] == got["trainer"]
-    final = re.compile(r"^FINAL (.*) run_dir=", re.M)
-    assert final.findall(sim.log(NODE0))[-1:] == final.findall(ref_log)[-1:] != [], "validation differs"
+    assert_same_end(ref_dir, ref_log, _run_dir(sim), sim.log(NODE0))
 
 
 # ----------------------------------------------------------------------------- TrainJob status (progress)

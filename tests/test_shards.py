@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_faults import STEPS, Job, assert_bitwise_equal, final_state, jobs, train_args  # noqa: F401  (jobs: fixture)
+from support.runs import assert_bitwise_equal
+from test_faults import STEPS, Job, final_state, jobs, train_args  # noqa: F401  (jobs: fixture)
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 from job.config import DataConfig

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 from support.cli import run_cli, torchrun, user_code_env
-from support.runs import load_final_state
-from test_faults import Job, assert_bitwise_equal
+from support.runs import assert_bitwise_equal, load_final_state
+from test_faults import Job
 from test_observe import scalars
 from test_train import TOL, max_abs_diff
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from support import EXAMPLE
 from support.cli import run_cli, torchrun, user_code_env
-from support.runs import load_final_state
-from test_faults import Job, assert_bitwise_equal
+from support.runs import assert_bitwise_equal, load_final_state
+from test_faults import Job
 from test_train import TOL, exact_args, final, max_abs_diff
 
 pytestmark = pytest.mark.integration

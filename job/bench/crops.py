@@ -1,9 +1,9 @@
 """Crops of the device decode path: the batched crop (job.data.resample) against the per-image torchvision
 kernels it replaced and against ``torchvision.ops.roi_align``, in pixels and in time, on the CPU or a GPU.
 
-Real JPEGs of many sizes (fine detail in every channel: a fractal, noise, a gradient), decoded by torchcodec on
-the device, cropped with RandomResizedCrop boxes and flips drawn as the workers draw them (train) and resized
-and centre-cropped (eval). Pixels: the largest difference in uint8 levels and the fraction of pixels that
+Real JPEGs of many sizes (fine detail in every channel: a fractal, noise, a gradient), decoded on the device
+by the install's batched decoder (job.data.jpeg), cropped with RandomResizedCrop boxes and flips drawn as the
+workers draw them (train) and resized and centre-cropped (eval). Pixels: the largest difference in uint8 levels and the fraction of pixels that
 differ, against each reference; on CUDA also nvJPEG's decode against libjpeg-turbo's. Time: milliseconds per
 batch (median of the timed repetitions, the device synchronised), batched vs per-image.
 
@@ -112,14 +112,15 @@ def _draws(images: Sequence[Any], seed: int, train: bool) -> Any:
 def pixels(encoded: list[Any], size: int, device: Any) -> dict[str, Any]:
     """Every pixel comparison, train and eval, on ``device``."""
     import torch
-    from torchcodec.decoders import decode_jpeg
 
+    from job.data.device_decode import batch_decoder
     from job.data.resample import crop_resize
 
-    images: list[Any] = list(decode_jpeg(encoded, mode="RGB", device=device))
+    decoder = batch_decoder()
+    images = decoder.decode(encoded, device)
     out: dict[str, Any] = {}
     if device.type == "cuda":
-        host = decode_jpeg(encoded, mode="RGB")
+        host = decoder.decode(encoded, torch.device("cpu"))
         out["nvjpeg_vs_libjpeg"] = compare(
             torch.cat([i.flatten() for i in images]).cpu(), torch.cat([i.flatten() for i in host])
         )
@@ -155,13 +156,12 @@ def timed(fn: Callable[[], Any], reps: int, device: Any) -> dict[str, float]:
 
 def timings(batch: int, size: int, reps: int, device: Any) -> dict[str, Any]:
     """Milliseconds per training batch of ImageNet-sized JPEGs: batched vs per-image crops (decode excluded)."""
-    from torchcodec.decoders import decode_jpeg
-
+    from job.data.device_decode import batch_decoder
     from job.data.resample import crop_resize
 
     files = [_tensor(jpeg_bytes(h, w, seed=i)) for i, (h, w) in enumerate(TIMED_SIZES)]
     encoded = [files[i % len(files)] for i in range(batch)]  # each with a crop of its own
-    images: list[Any] = list(decode_jpeg(encoded, mode="RGB", device=device))
+    images = batch_decoder().decode(encoded, device)
     crops = _draws(images, 3, True)
     out: dict[str, Any] = {
         "batched": timed(lambda: crop_resize(images, crops, size), reps, device),
@@ -196,7 +196,10 @@ def main(argv: list[str]) -> int:
     batch = a.batch or (8 if a.quick else 64)
     reps = a.reps or (2 if a.quick else 5)
     encoded = [_tensor(jpeg_bytes(h, w, i)) for i, (h, w) in enumerate(RAGGED_SIZES)]
-    result = {"quick": a.quick, "device": a.device, "size": a.size, "pixels": pixels(encoded, a.size, device)}
+    from job.data.device_decode import batch_decoder
+
+    result = {"quick": a.quick, "device": a.device, "size": a.size, "decoder": batch_decoder().name}
+    result["pixels"] = pixels(encoded, a.size, device)
     result["ms_per_batch"] = {"batch": batch, **timings(batch, a.size, reps, device)}
     _report(result)
     common.emit("crops", result)
@@ -210,7 +213,7 @@ def _report(result: dict[str, Any]) -> None:
             rows.append([split, ref, c["max"], f"{100 * c['fraction']:.3f} %", f"{c['mean']:.4f}"])
     common.table(
         f"crops: batched vs each reference, {len(RAGGED_SIZES)} JPEGs of different sizes to {result['size']} px "
-        f"on {result['device']}",
+        f"on {result['device']}, decoded by {result['decoder']}",
         ["split", "reference", "max levels", "pixels differing", "mean levels"],
         rows,
     )

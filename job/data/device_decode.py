@@ -14,14 +14,14 @@ filter's rounding differ (tests/test_decode.py states the tolerance).
 Why torchcodec: torchvision's own ``decode_jpeg`` is deprecated in its favour, it is the PyTorch team's
 maintained decoder, it decodes a list of JPEGs in one call on CUDA (batched nvJPEG) and on the CPU (so CI
 runs this very path), and it adds 24 MB to the image (12 MB of package, 12 MB of bundled libraries), without
-FFmpeg (JPEG decoding does not need it).
+FFmpeg (JPEG decoding does not need it). Where torchcodec has no image decoder, torchvision's serves
+(job.data.jpeg).
 DALI would also decode on the GPU but brings its own pipeline, sampler hand-off and ~0.5 GB; its CPU-only
 pipelines decode differently from the GPU ones, so the CPU test would not exercise the production path.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import logging
 from collections.abc import Sequence
@@ -34,6 +34,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from job.config import DataConfig
+from job.data.jpeg import JpegDecoder, jpeg_decoder
 from job.data.resample import crop_resize
 from job.data.sampler import sample_seed
 from job.data.workers import WorkerFailure, init_error, unreadable_image
@@ -53,15 +54,11 @@ class DecodeChoice:
     reason: str
 
 
-def has_torchcodec() -> bool:
-    return importlib.util.find_spec("torchcodec") is not None
-
-
 def choose_decode(cfg: DataConfig, files: Sequence[str], cuda: bool, codec: bool) -> DecodeChoice:
     """Where this run decodes, from the setting and what is present (a pure function: tests pass each case).
 
     Raises:
-        BadInput: ``gpu``/``device`` asked for where that path cannot run (no CUDA for ``gpu``, no torchcodec,
+        BadInput: ``gpu``/``device`` asked for where that path cannot run (no CUDA for ``gpu``, no JPEG decoder,
             a source that has no image files, a file that is not a JPEG).
     """
     asked = cfg.decode
@@ -75,8 +72,12 @@ def choose_decode(cfg: DataConfig, files: Sequence[str], cuda: bool, codec: bool
         _refuse_or_skip(asked, f"data.source={cfg.source} has no image files to decode", "use data.decode=cpu or auto")
         return DecodeChoice(False, f"data.source={cfg.source} has no image files")
     if not codec:
-        _refuse_or_skip(asked, "the torchcodec package is not installed", "pip install the pinned torchcodec")
-        return DecodeChoice(False, "torchcodec is not installed")
+        _refuse_or_skip(
+            asked,
+            "no batched JPEG decoder is installed (torchcodec 0.16+, or torchvision's)",
+            "pip install the pinned torchcodec",
+        )
+        return DecodeChoice(False, "no batched JPEG decoder is installed")
     other = next((f for f in files if not f.lower().endswith(JPEG_EXTENSIONS)), None)
     if other is not None:
         _refuse_or_skip(asked, f"{other} is not a JPEG file", "convert the dataset to JPEG or use data.decode=cpu")
@@ -185,11 +186,9 @@ def decoded(batch: EncodedBatch, device: torch.device, channels_last: bool) -> t
 
 
 def _decode(batch: EncodedBatch, device: torch.device) -> list[torch.Tensor]:
-    from torchcodec.decoders import decode_jpeg
-
     encoded = batch.encoded()
     try:
-        return list(decode_jpeg(encoded, mode="RGB", device=device))
+        return batch_decoder().decode(encoded, device)
     except RuntimeError as err:
         _name_the_bad_file(encoded, batch.paths, device)
         raise err
@@ -197,11 +196,10 @@ def _decode(batch: EncodedBatch, device: torch.device) -> list[torch.Tensor]:
 
 def _name_the_bad_file(encoded: list[torch.Tensor], paths: list[str], device: torch.device) -> None:
     """One call for the whole batch does not say which file it refused: find it and raise naming it."""
-    from torchcodec.decoders import decode_jpeg
-
+    decoder = batch_decoder()
     for data, path in zip(encoded, paths, strict=True):
         try:
-            decode_jpeg(data, mode="RGB", device=device)
+            decoder.decode([data], device)
         except RuntimeError as e:
             raise BadInput(
                 f"data: cannot decode JPEG file {path} on {device} ({str(e).strip()[:200]}).",
@@ -209,3 +207,16 @@ def _name_the_bad_file(encoded: list[torch.Tensor], paths: list[str], device: to
                 setting="data.path",
                 value=path,
             ) from None
+
+
+def batch_decoder() -> JpegDecoder:
+    """This install's batched JPEG decoder (job.data.jpeg); BadInput where it has none."""
+    decoder = jpeg_decoder()
+    if decoder is None:  # choose_decode refused the path already; reached only by a caller that skipped it
+        raise BadInput(
+            "data.decode: no batched JPEG decoder is installed.",
+            "pip install the pinned torchcodec.",
+            setting="data.decode",
+            value="device",
+        )
+    return decoder

@@ -16,6 +16,7 @@ from job.data import device_decode
 from job.data.augment import eval_transform, train_transform
 from job.data.device_decode import EncodedFiles, collate_encoded
 from job.data.images import IMG_EXTENSIONS, Datasets, ImageFiles
+from job.data.jpeg import jpeg_decoder
 from job.errors import BadInput
 
 log = logging.getLogger("job")
@@ -152,7 +153,7 @@ def imagefolder_datasets(
     if rank == 0:
         where = "the workers (PIL)"
         if choice.on_device:
-            where = f"{device.type} (torchcodec)"
+            where = f"{device.type} ({device_decode.batch_decoder().name})"
         log.info("data: decoding on %s: %s", where, choice.reason)
     if choice.on_device:
         train_enc = EncodedFiles(layout.train, cfg.image_size, seed, random=cfg.augment)
@@ -166,4 +167,4 @@ def imagefolder_datasets(
 def decode_choice(cfg: DataConfig, files: list[str], cuda: bool) -> device_decode.DecodeChoice:
     """Where this run decodes the image ``files`` (job.data.device_decode.choose_decode; none: a source that is
     not a file tree); BadInput where data.decode cannot be met."""
-    return device_decode.choose_decode(cfg, files, cuda, device_decode.has_torchcodec())
+    return device_decode.choose_decode(cfg, files, cuda, jpeg_decoder() is not None)

@@ -130,7 +130,7 @@ def check_flight_recorder(backend: str, environ: dict[str, str]) -> Check:
             "observe.flight_recorder",
             WARN,
             "NCCL flight recorder off: a hang leaves no record of the last collectives",
-            "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=<run_dir>/nccl_trace/rank_ (docs/doctor.md)",
+            "export TORCH_FR_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=<run_dir>/nccl_trace/rank_ (docs/doctor.md)",
         )
     return Check("observe.flight_recorder", PASS, f"NCCL flight recorder on (buffer {size} entries)")
 

@@ -196,7 +196,9 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
     for name, value in AGENT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     args.signals_to_handle = with_stop_signals(args.signals_to_handle)
-    os.environ[NOTICE_VAR] = f"{worker_notice_s(args.shutdown_timeout, os.environ):g}"  # workers inherit it
+    # torch 2.11's agent has no --shutdown-timeout: it waits its fixed 30 s (SHUTDOWN_DEFAULT_S)
+    shutdown_timeout = getattr(args, "shutdown_timeout", None)
+    os.environ[NOTICE_VAR] = f"{worker_notice_s(shutdown_timeout, os.environ):g}"  # workers inherit it
 
     exits: list[int] = []
     try:

@@ -305,7 +305,7 @@ def explain_timeouts(cfg: JobConfig, env: DistEnv) -> Iterator[None]:
         raise CollectiveTimeout(
             f"collective timed out on rank {env.rank} ({first}). {stall_report(cfg.run_dir, env.world_size)}.",
             "look at the stalled rank's log and host; raise dist.train_timeout_s if it is only slow. NCCL flight "
-            "recorder dumps (TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE) "
+            "recorder dumps (TORCH_FR_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT=1, TORCH_FR_DUMP_TEMP_FILE) "
             "show the last collectives per rank; see docs/doctor.md.",
             setting="dist.train_timeout_s",
             value=cfg.dist.train_timeout_s,

@@ -75,15 +75,17 @@ FLIGHT_RECORDER_ENTRIES = "2000"
 
 def flight_recorder_env(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
     """The NCCL flight recorder's variables this job sets where the environment leaves them unset (an explicit
-    ``TORCH_NCCL_TRACE_BUFFER_SIZE=0`` keeps it off): on a collective timeout each rank dumps its last
-    collectives to ``<run_dir>/nccl_trace_rank_<rank>`` (docs/doctor.md). Read by NCCL process groups only."""
+    ``TORCH_FR_BUFFER_SIZE=0`` keeps it off): on a collective timeout each rank dumps its last collectives to
+    ``<run_dir>/nccl_trace_rank_<rank>`` (docs/doctor.md). The buffer size goes by its current name: torch
+    warns on every process group created while the old one, ``TORCH_NCCL_TRACE_BUFFER_SIZE``, is set (still
+    honoured when a user sets it)."""
     defaults = {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
+        "TORCH_FR_BUFFER_SIZE": FLIGHT_RECORDER_ENTRIES,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / "nccl_trace_rank_"),
     }
-    if "TORCH_FR_BUFFER_SIZE" in environ:  # the newer name of the buffer size
-        defaults.pop("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" in environ:
+        defaults.pop("TORCH_FR_BUFFER_SIZE")
     return {k: v for k, v in defaults.items() if k not in environ}
 
 
@@ -123,9 +125,11 @@ def set_train_timeout(rt: Runtime, seconds: float) -> None:
     """Shorten the collective timeout once the first step is done (rendezvous/compile are over), so a rank
     that stops participating fails the others quickly instead of after the long init timeout."""
     timeout = datetime.timedelta(seconds=seconds)
-    dist.set_timeout(timeout)
+    # torch 2.11 (still the torch of some GPU images) has the setter under its private name only
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout)
     if rt.control_group is not None:
-        dist.set_timeout(timeout, rt.control_group)
+        set_timeout(timeout, rt.control_group)
 
 
 def seed_all(seed: int) -> None:

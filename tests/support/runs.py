@@ -67,3 +67,39 @@ def load_final_state(run_dir: Path) -> dict[str, Any]:
     steps = sorted(p for p in run_dir.glob("step-*") if ".tmp" not in p.name)
     assert steps, f"no checkpoint in {run_dir}: {list(run_dir.iterdir()) if run_dir.exists() else 'missing'}"
     return torch.load(steps[-1] / "state.pt", map_location="cpu", weights_only=True)
+
+
+def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
+    """``a`` and ``b`` (tensors, or dicts, lists and tuples of them) hold the same dtypes and the same bits."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+FINAL_LINE = re.compile(r"^FINAL (.*) run_dir=", re.M)
+
+
+def assert_same_end(want_dir: Path, want_log: str, got_dir: Path, got_log: str) -> None:
+    """The run in ``got_dir`` ended where the one in ``want_dir`` did: its newest checkpoint holds the same
+    model and optimizer bits and the same trainer state, and its last FINAL line (the validation metrics)
+    reads the same."""
+    from job.checkpoint import store
+
+    want_ckpt, got_ckpt = store.find_latest(want_dir), store.find_latest(got_dir)
+    assert want_ckpt is not None and got_ckpt is not None, (want_ckpt, got_ckpt)
+    want, got = store.load_state(want_ckpt), store.load_state(got_ckpt)
+    for key in ("model", "optimizer"):
+        assert_bitwise_equal(want[key], got[key], key)
+    assert want["trainer"] == got["trainer"]
+    assert FINAL_LINE.findall(got_log)[-1:] == FINAL_LINE.findall(want_log)[-1:] != [], "validation differs"
