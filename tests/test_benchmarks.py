@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -318,7 +319,8 @@ def test_gpu_run_fits_eight_minutes_by_construction():
 GPU_STUB = """#!/usr/bin/env bash
 # tools/gpu_run.sh's commands as a GPU machine would answer them, in seconds: JSON results among log lines,
 # a traceback and a half-written line, and the step named by $HANG printing a result, then hanging while
-# ignoring SIGTERM (a stuck compile, a worker that does not exit).
+# ignoring SIGTERM (a stuck compile, a worker that does not exit). The trainer's arguments go to $ARGS_LOG,
+# tab-separated, for the test to parse with the real config.
 real=__REAL__
 if [ "$1" = -c ]; then echo "2.x simulated"; exit 0; fi
 mod=$2; shift 2
@@ -328,12 +330,12 @@ case "$mod" in
   job.bench.scaling) echo "batch 128 compile False: 9000 img/s"
     echo '{"benchmark": "scaling", "point": true, "batch": 128}'; hang scaling
     echo '{"benchmark": "scaling", "results": [1]}' ;;
-  job) echo "INFO $1 simulated" ;;
+  job) (IFS=$'\t'; echo "$*") >> "$ARGS_LOG"; echo "INFO $1 simulated" ;;
   job.bench.decode) echo "{\\"benchmark\\": \\"decode_gpu\\", \\"args\\": \\"$*\\"}" ;;
-  job.bench.crops) echo '{"benchmark": "crops", "point": true}'; echo 'Traceback (most recent call last):'
-    echo '3'; printf '{"benchmark": "cro'; exit 1 ;;
   job.bench.paired) echo '{"benchmark": "paired"}' ;;
-  job.bench.overhead) echo '{"benchmark": "overhead", "point": true, "variant": "job"}'; hang overhead ;;
+  job.bench.overhead) echo '{"benchmark": "overhead", "point": true}'; echo 'Traceback (most recent call last):'
+    echo '3'; printf '{"benchmark": "overh'; exit 1 ;;
+  job.bench.crops) echo '{"benchmark": "crops", "point": true, "decoder": "torchcodec"}'; hang crops ;;
 esac
 """
 
@@ -344,6 +346,8 @@ def _dry_run(tmp_path: Path, hang: str, budget: int) -> tuple[subprocess.Popen, 
     stub.chmod(0o755)
     out = tmp_path / "out"
     env = {**base_env(tmp_path), "OUT": str(out), "PYTHON": str(stub), "HANG": hang}
+    env["ARGS_LOG"] = str(tmp_path / "args.tsv")
+    env["WHEELS"] = str(tmp_path / "no-wheels")  # not the checkout's .whl, if a developer made one
     env["GPU_RUN_BUDGET_S"] = str(budget)
     proc = subprocess.Popen(["bash", str(GPU_RUN)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return proc, out, time.monotonic()
@@ -359,12 +363,13 @@ def _results(out: Path) -> list[dict]:
 def test_gpu_run_dry_run_streams_results_and_ends_within_its_budget(tmp_path):
     """On a CPU, against a simulated GPU machine whose last step hangs: every result reaches results.jsonl as it
     is printed (the hung step's too, while it hangs) and nothing but results does; the hung step is killed at
-    the budget and the script ends within budget + kill grace."""
+    the budget and the script ends within budget + kill grace, leaving three files: the results, the summary
+    and the logs in one archive."""
     budget, kill = 40, _script_seconds("KILL_S")
-    proc, out, t0 = _dry_run(tmp_path, "overhead", budget)
+    proc, out, t0 = _dry_run(tmp_path, "crops", budget)
     deadline = t0 + budget
-    while not (out / "results.jsonl").exists() or "overhead" not in (out / "results.jsonl").read_text():
-        assert time.monotonic() < deadline and proc.poll() is None, "the overhead result never arrived"
+    while not (out / "results.jsonl").exists() or "crops" not in (out / "results.jsonl").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "the crops result never arrived"
         time.sleep(0.2)
     assert proc.poll() is None  # streamed: the step still runs
     stdout, _ = proc.communicate(timeout=budget + kill + 30)
@@ -372,14 +377,43 @@ def test_gpu_run_dry_run_streams_results_and_ends_within_its_budget(tmp_path):
     assert proc.returncode == 0, stdout
     assert elapsed <= budget + kill + 5, elapsed
     got = [(r["benchmark"], r.get("point", False)) for r in _results(out)]
-    assert got == [("scaling", True), ("scaling", False)] + [("decode_gpu", False)] * 4 + [
-        ("crops", True),
+    assert got == [("scaling", True), ("scaling", False)] + [("decode_gpu", False)] * 5 + [
         ("paired", False),
         ("overhead", True),
+        ("crops", True),
     ]
     summary = (out / "summary.txt").read_text()
-    assert "crops rc=1 " in summary and "overhead rc=137 " in summary, summary  # SIGTERM ignored: SIGKILL
-    assert "Traceback" in (out / "crops.log").read_text()  # the log keeps everything
+    assert "overhead rc=1 " in summary and "crops rc=137 " in summary, summary  # SIGTERM ignored: SIGKILL
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "results.jsonl", "summary.txt"]
+    with tarfile.open(out / "logs.tar.gz") as logs:
+        overhead = logs.extractfile("logs/overhead.log")
+        assert overhead is not None and b"Traceback" in overhead.read()  # the log keeps everything
+
+
+def test_gpu_run_trains_with_settings_the_config_accepts(tmp_path):
+    """Every trainer run of the script parses with the real config (a bad value would cost the GPU run its
+    step), and the runs are the ones the figures need: DDP on synthetic data, both decode paths on JPEGs, and
+    DataParallel on the synthetic run's settings."""
+    from job.config import load_config
+
+    proc, out, _ = _dry_run(tmp_path, "none", 90)
+    stdout, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, stdout
+    calls = [line.split("\t") for line in (tmp_path / "args.tsv").read_text().splitlines()]
+    runs = {}
+    for argv in calls:
+        if argv[0] == "train":
+            cfg = load_config(argv[1:], environ={})
+            runs[cfg.run.name] = cfg
+    assert set(runs) == {"data-synthetic", "data-cpu", "data-gpu", "data-dp"}, list(runs)
+    assert runs["data-gpu"].data.decode == "gpu" and runs["data-cpu"].data.decode == "cpu"
+    assert runs["data-gpu"].data.source == runs["data-cpu"].data.source == "imagefolder"
+    assert runs["data-dp"].train.strategy == "dp" and runs["data-synthetic"].train.strategy == "ddp"
+    ddp, dp = runs["data-synthetic"].model_dump(), runs["data-dp"].model_dump()
+    for section in ("train", "run"):
+        ddp[section].pop("strategy" if section == "train" else "name")
+        dp[section].pop("strategy" if section == "train" else "name")
+    assert ddp == dp  # only the wrapper differs
 
 
 def test_gpu_run_dry_run_skips_what_the_budget_cannot_hold(tmp_path):
@@ -499,3 +533,22 @@ def test_torchrun_cmd_starts_workers_from_this_interpreter(tmp_path: Path) -> No
     assert r.returncode == 0, r.stderr[-2000:]
     lines = sorted(p.read_text() for p in tmp_path.glob("worker-*"))
     assert lines == [f"worker 0 2 {sys.executable}", f"worker 1 2 {sys.executable}"]
+
+
+def test_gpu_summary_divides_each_run_by_the_synthetic_ddp_run(tmp_path):
+    """The trainer's logged perf/samples_per_s, read back with TensorBoard's reader: the median after warm-up of
+    each run over the synthetic run's; a run that did not run, or died before its first log step, is left out."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from job.bench.decode import summarise_gpu
+
+    logged = {"synthetic": [1.0, 4000, 4100, 3900], "gpu": [1.0, 3900, 3800, 3850], "dp": [2.0, 2000, 2100, 2050]}
+    for name, values in logged.items():
+        with SummaryWriter(str(tmp_path / f"data-{name}" / "tb")) as w:
+            for step, v in enumerate(values, start=1):
+                w.add_scalar("perf/samples_per_s", v, step * 5)
+    (tmp_path / "data-cpu" / "tb").mkdir(parents=True)  # started, died before logging
+    out = summarise_gpu(tmp_path, 5)
+    assert out["img_s"] == {"synthetic": 4000, "gpu": 3850, "dp": 2050, "cpu": None}
+    assert close(out["gpu_over_synthetic"], 3850 / 4000) and close(out["dp_over_ddp"], 2050 / 4000)
+    assert "cpu_over_synthetic" not in out and out["goal_gpu_ge_0_95"] is True

@@ -81,27 +81,40 @@ def report(result: dict, size: int, crop: int, batch: int, workers: int, device:
     common.table(title, ["path", "median [min-max]"], rows)
 
 
-GPU_RUNS = ("synthetic", "cpu", "gpu")  # run names data-<name> in tools/gpu_run.sh
+GPU_RUNS = ("synthetic", "cpu", "gpu", "dp")  # run names data-<name> in tools/gpu_run.sh; dp: train.strategy=dp
 GPU_GOAL = 0.95  # decoded-JPEG throughput / synthetic throughput with data.decode=gpu
+GPU_RATIOS = {"cpu": "cpu_over_synthetic", "gpu": "gpu_over_synthetic", "dp": "dp_over_ddp"}  # each / synthetic
 
 
-def run_rate(runs: Path, name: str, warmup_steps: int) -> float:
-    """The trained img/s of run ``data-<name>``: the median of its logged ``perf/samples_per_s`` after warm-up."""
+def run_rate(runs: Path, name: str, warmup_steps: int) -> float | None:
+    """The trained img/s of run ``data-<name>``: the median of its logged ``perf/samples_per_s`` after warm-up;
+    None where it logged none (it did not run, or died first)."""
     import statistics
 
-    values = [v for step, v, _ in common.scalars(runs / f"data-{name}", "perf/samples_per_s") if step > warmup_steps]
+    if not (runs / f"data-{name}").is_dir():
+        return None
+    try:
+        logged = common.scalars(runs / f"data-{name}", "perf/samples_per_s")
+    except RuntimeError:  # the run died before its first log step
+        return None
+    values = [v for step, v, _ in logged if step > warmup_steps]
+    if not values:
+        return None
     return statistics.median(values)
 
 
 def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
-    """tools/gpu_run.sh's data comparison: each path's trained img/s over the synthetic-data img/s."""
+    """tools/gpu_run.sh's comparison of the trainer's runs: each one's img/s over the synthetic-data (DDP) run's,
+    for those that ran."""
     rate = {name: run_rate(runs, name, warmup_steps) for name in GPU_RUNS}
-    out: dict[str, Any] = {
-        "img_s": rate,
-        "cpu_over_synthetic": rate["cpu"] / rate["synthetic"],
-        "gpu_over_synthetic": rate["gpu"] / rate["synthetic"],
-    }
-    out["goal_gpu_ge_0_95"] = out["gpu_over_synthetic"] >= GPU_GOAL
+    out: dict[str, Any] = {"img_s": rate}
+    base = rate["synthetic"]
+    for name, key in GPU_RATIOS.items():
+        value = rate[name]
+        if base and value is not None:
+            out[key] = value / base
+    if "gpu_over_synthetic" in out:
+        out["goal_gpu_ge_0_95"] = out["gpu_over_synthetic"] >= GPU_GOAL
     common.emit("decode_gpu", out)
     return out
 
