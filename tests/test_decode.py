@@ -33,6 +33,7 @@ from job.data import decode_ahead, device_decode
 from job.data.augment import eval_transform, train_transform
 from job.data.device_decode import EncodedBatch, EncodedFiles, choose_decode, decode_batch, decoded
 from job.data.images import ImageFiles
+from job.data.images import decode as decode_file
 from job.data.loaders import IMAGENET_STD, Loaders, to_device
 from job.data.prefetch import wrap_loaders
 from job.data.source import build_loaders, validate_data
@@ -167,6 +168,40 @@ def test_batched_crops_of_images_of_every_size_match_the_per_image_path(
     images = list(decode_jpeg(batch.encoded(), mode="RGB"))
     floats = crops_bench.per_image(images, batch.crops, size, as_float=True)  # torchvision's path on a GPU
     _pixels_within_tolerance(got, floats, MAX_FRACTION_VS_FLOAT)
+
+
+def _write_turned_jpeg(path: Path, orientation: int, seed: int) -> None:
+    """A 48 x 96 JPEG whose EXIF says how to turn it upright (1: as stored, 3: 180, 6 and 8: a quarter turn)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(crops_bench.jpeg_bytes(48, 96, seed))) as im:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        im.save(path, "JPEG", quality=90, exif=exif.tobytes())
+
+
+@pytest.mark.parametrize("augment", [True, False])
+def test_both_paths_turn_images_upright_as_their_exif_says(tmp_path: Path, augment: bool) -> None:
+    """Photos carry their orientation in EXIF; torchcodec turns them upright, so the workers do too and the
+    device path draws its crops on the upright size: both paths give the same pixels, within the tolerance."""
+    samples = []
+    for i, orientation in enumerate((1, 3, 6, 8, 6)):
+        path = tmp_path / f"{i}.jpg"
+        _write_turned_jpeg(path, orientation, i)
+        samples.append((str(path), i))
+        want = (3, 96, 48) if orientation in (6, 8) else (3, 48, 96)
+        assert tuple(decode_file(str(path)).shape) == want, orientation
+        assert tuple(decode_jpeg(str(path), mode="RGB").shape) == want, orientation
+    transform = eval_transform(24)
+    if augment:
+        transform = train_transform(24, True)
+    keys = [(1, i) for i in range(len(samples))]
+    want_pixels = torch.stack([ImageFiles(tuple(samples), transform, seed=9, random=augment)[k][0] for k in keys])
+    batch = EncodedFiles(tuple(samples), 24, seed=9, random=augment).__getitems__(keys)
+    assert isinstance(batch, device_decode.EncodedBatch)
+    _pixels_within_tolerance(decode_batch(batch, CPU), want_pixels, MAX_FRACTION_VS_WORKERS)
 
 
 def test_loaders_hand_out_the_same_batches_in_the_same_order(jpeg_data: Path) -> None:

@@ -98,3 +98,30 @@ def test_without_any_decoder_device_decode_is_refused_and_auto_decodes_in_the_wo
     assert err.value.setting == "data.decode" and err.value.value == "device" and "torchcodec" in err.value.fix
     choice = imagefolder.decode_choice(DataConfig(source="imagefolder", decode="auto"), files, cuda=True)
     assert not choice.on_device and "decoder" in choice.reason
+
+
+def test_torchvision_turns_images_upright_as_torchcodec_does(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from PIL import Image
+
+    raws = []
+    for orientation in (3, 6, 8):
+        buf = io.BytesIO()
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        with Image.open(io.BytesIO(crops_bench.jpeg_bytes(48, 96, orientation))) as im:
+            im.save(buf, "JPEG", exif=exif.tobytes())
+        raws.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    codec = jpeg_decoder()
+    assert codec is not None and codec.name == "torchcodec"
+    want = codec.decode(raws, CPU)
+    jpeg_decoder.cache_clear()
+    monkeypatch.setitem(sys.modules, "torchcodec.decoders", None)
+    vision = jpeg_decoder()
+    assert vision is not None and vision.name == "torchvision"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = vision.decode(raws, CPU)
+    assert [tuple(g.shape) for g in got] == [(3, 48, 96), (3, 96, 48), (3, 96, 48)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -34,6 +34,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from job.config import DataConfig
+from job.data.images import upright_size
 from job.data.jpeg import JpegDecoder, jpeg_decoder
 from job.data.resample import crop_resize
 from job.data.sampler import sample_seed
@@ -119,11 +120,11 @@ class EncodedBatch:
 
 
 def _jpeg_size(raw: np.ndarray, path: str) -> tuple[int, int]:
-    """(height, width) from the JPEG header, without decoding the pixels."""
+    """(height, width) of the upright image from the JPEG header, without decoding the pixels: the decoders
+    turn the image as its EXIF orientation says, and the crop is drawn on what they return."""
     try:
         with Image.open(io.BytesIO(raw.tobytes())) as im:
-            width, height = im.size
-            return height, width
+            return upright_size(im)
     except Exception as e:
         raise unreadable_image(path, e) from None
 

@@ -15,7 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 from torch.utils.data import Dataset, default_collate
 
 from job.data.sampler import sample_seed
@@ -29,13 +29,27 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+# EXIF orientations that turn the stored image by a quarter turn (transpose, 90, transverse, 270 degrees):
+# the upright image is the stored one with height and width exchanged.
+QUARTER_TURNS = frozenset({5, 6, 7, 8})
+
+
 def pil_to_tensor(file: str | IO[bytes]) -> torch.Tensor:
-    """Decode one image file (a path or an open file) to a uint8 RGB CHW tensor; PIL's error otherwise."""
+    """Decode one image file (a path or an open file) to a uint8 RGB CHW tensor, upright as its EXIF orientation
+    says (as torchcodec, the device path's decoder, always turns it); PIL's error otherwise."""
     # PIL, not torchvision.io.decode_image: the latter segfaulted (killing the worker, losing the file
     # name) on a PNG with flipped bytes here, while PIL raises for truncated and corrupt PNG and JPEG.
     with Image.open(file) as im:
-        array = np.asarray(im.convert("RGB"))
+        array = np.asarray(ImageOps.exif_transpose(im).convert("RGB"))
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def upright_size(im: Image.Image) -> tuple[int, int]:
+    """(height, width) of an opened image once turned upright (``pil_to_tensor``), from its header alone."""
+    width, height = im.size
+    if im.getexif().get(ExifTags.Base.Orientation) in QUARTER_TURNS:
+        return width, height
+    return height, width
 
 
 def decode(path: str) -> torch.Tensor:

@@ -63,6 +63,7 @@ def _torchvision() -> JpegDecoder | None:
     rgb = torchvision.io.ImageReadMode.RGB
 
     def decode(data: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        return list(decode_jpeg(list(data), mode=rgb, device=device))
+        # upright, as torchcodec always returns it
+        return list(decode_jpeg(list(data), mode=rgb, device=device, apply_exif_orientation=True))
 
     return JpegDecoder("torchvision", decode)

@@ -84,7 +84,8 @@ def flipped(t: Taps, flip: torch.Tensor) -> Taps:
 
 def train_windows(shapes: Sequence[tuple[int, int]], crops: Sequence[Crop], size: int) -> tuple[Windows, Windows]:
     """(rows, columns) of RandomResizedCrop's boxes, each resized to ``size``; a box is kept inside its image
-    (it always is, unless the decoder turned the image by its EXIF orientation after the box was drawn)."""
+    (it always is: the boxes are drawn on the upright size, job.data.images.upright_size, and the decoders
+    return the image upright)."""
     heights, widths = _dims(shapes)
     top = torch.minimum(torch.tensor([c.top for c in crops]), heights - 1)
     left = torch.minimum(torch.tensor([c.left for c in crops]), widths - 1)
