@@ -415,6 +415,24 @@ def test_triton_builds_its_gpu_launcher_as_an_arbitrary_uid(penv: dict[str, str]
     assert so.endswith(".so") and int(owner) == ANY_UID, found
 
 
+def test_workers_can_be_bound_as_torchrun_numa_binding_binds_them(penv: dict[str, str], image: str) -> None:
+    """torchrun --numa-binding (the doctor's fix for a rank far from its GPU's NUMA node) checks for numactl and
+    starts each worker under the command torch assembles: that command runs in the image and pins the worker."""
+    code = (
+        "import os, subprocess, sys\n"
+        "from torch.numa import binding\n"
+        "cpu = min(os.sched_getaffinity(0))\n"
+        "binding._raise_if_binding_invalid(logical_cpu_indices={cpu})\n"
+        "child = (sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))')\n"
+        "argv = binding._assemble_numactl_command_args(original_command_args=child, logical_cpu_indices={cpu})\n"
+        "print('WANT', [cpu]); print('GOT', subprocess.run(argv, capture_output=True, text=True, check=True).stdout)"
+    )
+    p = run(penv, "--user", f"{ANY_UID}:{ANY_UID}", "--entrypoint", "/opt/venv/bin/python", image, "-c", code)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    found = dict(ln.split(" ", 1) for ln in p.stdout.splitlines() if ln.startswith(("WANT ", "GOT ")))
+    assert found["GOT"].strip() == found["WANT"].strip(), p.stdout
+
+
 def test_image_has_no_pip_cache_apt_lists_sources_or_test_files(penv: dict[str, str], image: str) -> None:
     """The image carries what runs the job (interpreter, venv, the C/C++ toolchain torch.compile needs) and
     nothing of how it was built or tested; the multi-GB venv is one layer."""
