@@ -17,6 +17,7 @@ from job.bench import crops as crops_bench
 from job.config import DataConfig
 from job.data import imagefolder
 from job.data.device_decode import EncodedBatch, EncodedFiles, decode_batch
+from job.data.images import pil_to_tensor
 from job.data.jpeg import jpeg_decoder
 from job.errors import BadInput
 
@@ -100,13 +101,15 @@ def test_without_any_decoder_device_decode_is_refused_and_auto_decodes_in_the_wo
     assert not choice.on_device and "decoder" in choice.reason
 
 
-def test_torchvision_turns_images_upright_as_torchcodec_does(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchvision_turns_images_of_every_orientation_upright_as_torchcodec_does(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import io
 
     from PIL import Image
 
     raws = []
-    for orientation in (3, 6, 8):
+    for orientation in range(1, 9):
         buf = io.BytesIO()
         exif = Image.Exif()
         exif[0x0112] = orientation
@@ -123,5 +126,7 @@ def test_torchvision_turns_images_upright_as_torchcodec_does(fresh: None, monkey
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         got = vision.decode(raws, CPU)
-    assert [tuple(g.shape) for g in got] == [(3, 48, 96), (3, 96, 48), (3, 96, 48)]
+    assert [tuple(g.shape) for g in got] == [(3, 48, 96)] * 4 + [(3, 96, 48)] * 4
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    for raw, g in zip(raws, got, strict=True):  # and as PIL turns them, the workers' decoder
+        assert torch.equal(g, pil_to_tensor(io.BytesIO(raw.numpy().tobytes())))

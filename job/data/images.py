@@ -44,10 +44,15 @@ def pil_to_tensor(file: str | IO[bytes]) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
+def exif_orientation(im: Image.Image) -> int:
+    """The EXIF orientation of an opened image (1: stored upright, also where it has none), from its header."""
+    return int(im.getexif().get(ExifTags.Base.Orientation, 1))
+
+
 def upright_size(im: Image.Image) -> tuple[int, int]:
     """(height, width) of an opened image once turned upright (``pil_to_tensor``), from its header alone."""
     width, height = im.size
-    if im.getexif().get(ExifTags.Base.Orientation) in QUARTER_TURNS:
+    if exif_orientation(im) in QUARTER_TURNS:
         return width, height
     return height, width
 

@@ -10,11 +10,15 @@ runs there too; the log names the decoder in use.
 from __future__ import annotations
 
 import functools
+import io
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
+
+from job.data.images import exif_orientation
 
 log = logging.getLogger("job")
 
@@ -63,7 +67,45 @@ def _torchvision() -> JpegDecoder | None:
     rgb = torchvision.io.ImageReadMode.RGB
 
     def decode(data: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        # upright, as torchcodec always returns it
-        return list(decode_jpeg(list(data), mode=rgb, device=device, apply_exif_orientation=True))
+        if device.type == "cuda":
+            # torchvision allocates the outputs on this stream but has nvJPEG write them from its own stream,
+            # which it does not order after this one: the memory of the previous batch's images, freed to this
+            # stream while its crops may still be queued, could be written too soon. Blocks this thread only
+            # (the decode-ahead thread).
+            torch.cuda.current_stream(device).synchronize()
+        images = decode_jpeg(list(data), mode=rgb, device=device)
+        # upright, as torchcodec returns them: torchvision applies EXIF orientation on the CPU only, so it is
+        # applied here on every device, one code path
+        return [upright(image, _orientation(raw)) for image, raw in zip(images, data, strict=True)]
 
     return JpegDecoder("torchvision", decode)
+
+
+def _orientation(raw: torch.Tensor) -> int:
+    try:
+        with Image.open(io.BytesIO(raw.numpy().tobytes())) as im:
+            return exif_orientation(im)
+    except Exception:  # not a readable header: the decoder raises for this file, naming what is wrong
+        return 1
+
+
+def upright(image: torch.Tensor, orientation: int) -> torch.Tensor:
+    """A ``C x H x W`` image as stored, turned upright as its EXIF ``orientation`` says, as PIL's
+    ``ImageOps.exif_transpose`` turns it: 2-4 mirror it or turn it by half a turn; 5-8 exchange its height and
+    width (6 is shown turned a quarter clockwise, 8 a quarter anticlockwise, 5 and 7 mirrored as well)."""
+    if orientation == 2:
+        return image.flip(-1)
+    if orientation == 3:
+        return image.flip(-2, -1)
+    if orientation == 4:
+        return image.flip(-2)
+    if orientation in (5, 6, 7, 8):
+        turned = image.transpose(-2, -1)
+        if orientation == 6:
+            turned = turned.flip(-1)
+        elif orientation == 7:
+            turned = turned.flip(-2, -1)
+        elif orientation == 8:
+            turned = turned.flip(-2)
+        return turned.contiguous()
+    return image
