@@ -115,7 +115,8 @@ def _render(tmp: Path, name: str, extra_env: dict[str, str], args: list[str]) ->
     lines = [f"== {name}", f"exit {proc.returncode}"]
     lines += log.read_text().splitlines()
     lines += [f"error: {e}" for e in errors]
-    return "\n".join(lines).replace(str(case), "<CASE>") + "\n"
+    rendered = "\n".join(lines).replace(str(case), "<CASE>")
+    return re.sub(rf"_{os.getuid()}\b", "_<UID>", rendered) + "\n"  # per-user cache directories
 
 
 def test_rendered_commands_match_golden(tmp_path: Path) -> None:
