@@ -331,11 +331,19 @@ def test_hung_peer_ends_in_a_timeout_error(tmp_path: Path, tiny_data: Path, jobs
             str(timeout_s),
             "--data.num-workers",
             "0",
+            # rank 1 sleeps before step 3's forward, so the stop below lands there, never inside an all-reduce
+            # (stopped in one, it would look like rank 0, and no report could name it)
+            "--debug.straggler-rank",
+            "1",
+            "--debug.straggler-steps",
+            "3",
+            "--debug.straggler-delay-s",
+            "20",
         ),
     )
     jobs.append(job)
     peer = job.worker_pid(1)
-    job.wait_for(r"\[rank 0/2\] INFO step 2/200 ")
+    job.wait_for(r"\[rank 0/2\] INFO step 2/200 ")  # step 2's all-reduce is over on both ranks
     os.kill(peer, signal.SIGSTOP)  # alive, holding its sockets, never answering: a hung peer
     t_hang = time.monotonic()
     t_err, m = job.wait_for(r"\[rank 0/2\] ERROR (watchdog: [^\n]*)", timeout=timeout_s + 120)
