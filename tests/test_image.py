@@ -396,6 +396,14 @@ def test_torch_compile_trains_on_cpu_as_an_arbitrary_uid(penv: dict[str, str], i
     assert cache and built and all(b.startswith(cache[0] + "/") for b in built), out[-3000:]
 
 
+def _python_as_any_uid(penv: dict[str, str], image: str, code: str, keys: tuple[str, ...]) -> dict[str, str]:
+    """Run ``code`` with the image's python as ANY_UID; the lines it prints as ``KEY value``, by key."""
+    p = run(penv, "--user", f"{ANY_UID}:{ANY_UID}", "--entrypoint", "/opt/venv/bin/python", image, "-c", code)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    prefixes = tuple(f"{k} " for k in keys)
+    return dict(ln.split(" ", 1) for ln in p.stdout.splitlines() if ln.startswith(prefixes))
+
+
 def test_triton_builds_its_gpu_launcher_as_an_arbitrary_uid(penv: dict[str, str], image: str) -> None:
     """What Triton does at the first kernel launch on a GPU, short of linking libcuda (absent here): build the
     CUDA backend's driver.c, a C extension of the venv's python (gcc + Python.h), into TRITON_CACHE_DIR."""
@@ -407,9 +415,7 @@ def test_triton_builds_its_gpu_launcher_as_an_arbitrary_uid(penv: dict[str, str]
         "print('CACHE', knobs.cache.dir)\n"
         "print('BUILT', so, os.stat(so).st_uid)"
     )
-    p = run(penv, "--user", f"{ANY_UID}:{ANY_UID}", "--entrypoint", "/opt/venv/bin/python", image, "-c", code)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    found = dict(ln.split(" ", 1) for ln in p.stdout.splitlines() if ln.startswith(("CACHE ", "BUILT ")))
+    found = _python_as_any_uid(penv, image, code, ("CACHE", "BUILT"))
     so, owner = found["BUILT"].rsplit(" ", 1)
     assert so.startswith(found["CACHE"] + "/") and found["CACHE"].startswith("/tmp/"), found
     assert so.endswith(".so") and int(owner) == ANY_UID, found
@@ -427,10 +433,8 @@ def test_workers_can_be_bound_as_torchrun_numa_binding_binds_them(penv: dict[str
         "argv = binding._assemble_numactl_command_args(original_command_args=child, logical_cpu_indices={cpu})\n"
         "print('WANT', [cpu]); print('GOT', subprocess.run(argv, capture_output=True, text=True, check=True).stdout)"
     )
-    p = run(penv, "--user", f"{ANY_UID}:{ANY_UID}", "--entrypoint", "/opt/venv/bin/python", image, "-c", code)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    found = dict(ln.split(" ", 1) for ln in p.stdout.splitlines() if ln.startswith(("WANT ", "GOT ")))
-    assert found["GOT"].strip() == found["WANT"].strip(), p.stdout
+    found = _python_as_any_uid(penv, image, code, ("WANT", "GOT"))
+    assert found["GOT"].strip() == found["WANT"].strip(), found
 
 
 def test_image_has_no_pip_cache_apt_lists_sources_or_test_files(penv: dict[str, str], image: str) -> None:
