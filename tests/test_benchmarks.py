@@ -552,3 +552,20 @@ def test_gpu_summary_divides_each_run_by_the_synthetic_ddp_run(tmp_path):
     assert out["img_s"] == {"synthetic": 4000, "gpu": 3850, "dp": 2050, "cpu": None}
     assert close(out["gpu_over_synthetic"], 3850 / 4000) and close(out["dp_over_ddp"], 2050 / 4000)
     assert "cpu_over_synthetic" not in out and out["goal_gpu_ge_0_95"] is True
+
+
+def test_benchmark_children_keep_packages_installed_beside_the_checkout(tmp_path, monkeypatch):
+    """A benchmark's job subprocesses import this checkout and what PYTHONPATH already held: on a GPU image
+    tools/gpu_run.sh installs the pydantic-settings stack into a directory of its own on PYTHONPATH."""
+    from job.bench.common import child_env
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "installed_beside.py").write_text("WHERE = 'site'\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    code = "import job, installed_beside; print(job.__file__, installed_beside.WHERE)"
+    env = child_env(tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    where, found = r.stdout.split()
+    assert Path(where).is_relative_to(ROOT / "job") and found == "site", r.stdout

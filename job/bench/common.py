@@ -106,11 +106,14 @@ def emit_point(name: str, result: dict[str, Any]) -> None:
 
 
 def child_env(tmp: Path, **extra: str) -> dict[str, str]:
-    """A clean environment for a job subprocess (no inherited launcher/JOB_* variables), TMPDIR under ``tmp``."""
+    """A clean environment for a job subprocess (no inherited launcher/JOB_* variables), TMPDIR under ``tmp``,
+    this checkout first on PYTHONPATH and what was there after it (packages installed into a directory of
+    their own, as tools/gpu_run.sh installs wheels on a GPU image)."""
     drop = ("JOB_", *LAUNCHER_VAR_PREFIXES)
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     (tmp / "tmp").mkdir(parents=True, exist_ok=True)
-    env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp / "tmp"), PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp / "tmp"), PYTHONPATH=path)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
