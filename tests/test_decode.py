@@ -136,17 +136,6 @@ def test_device_path_gives_the_pixels_of_the_worker_path(jpeg_data: Path, augmen
     assert augment != torch.equal(other, got)
 
 
-@pytest.fixture(scope="module")
-def ragged(tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[str, int], ...]:
-    root = tmp_path_factory.mktemp("ragged")
-    samples = []
-    for i, (h, w) in enumerate(crops_bench.RAGGED_SIZES):  # fine detail in every channel, eight sizes
-        path = root / f"{i}.jpg"
-        crops_bench.write_jpeg(path, h, w, i)
-        samples.append((str(path), i))
-    return tuple(samples)
-
-
 @pytest.mark.parametrize("size", [24, 224])
 @pytest.mark.parametrize("augment", [True, False])
 def test_batched_crops_of_images_of_every_size_match_the_per_image_path(
@@ -170,18 +159,6 @@ def test_batched_crops_of_images_of_every_size_match_the_per_image_path(
     _pixels_within_tolerance(got, floats, MAX_FRACTION_VS_FLOAT)
 
 
-def _write_turned_jpeg(path: Path, orientation: int, seed: int) -> None:
-    """A 48 x 96 JPEG whose EXIF says how to turn it upright (1: as stored, 3: 180, 6 and 8: a quarter turn)."""
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(crops_bench.jpeg_bytes(48, 96, seed))) as im:
-        exif = Image.Exif()
-        exif[0x0112] = orientation
-        im.save(path, "JPEG", quality=90, exif=exif.tobytes())
-
-
 @pytest.mark.parametrize("augment", [True, False])
 def test_both_paths_turn_images_upright_as_their_exif_says(tmp_path: Path, augment: bool) -> None:
     """Photos carry their orientation in EXIF; torchcodec turns them upright, so the workers do too and the
@@ -189,7 +166,7 @@ def test_both_paths_turn_images_upright_as_their_exif_says(tmp_path: Path, augme
     samples = []
     for i, orientation in enumerate((1, 3, 6, 8, 6)):
         path = tmp_path / f"{i}.jpg"
-        _write_turned_jpeg(path, orientation, i)
+        path.write_bytes(crops_bench.jpeg_bytes(48, 96, i, orientation))  # 1: as stored, 3: 180, 6, 8: a quarter
         samples.append((str(path), i))
         want = (3, 96, 48) if orientation in (6, 8) else (3, 48, 96)
         assert tuple(decode_file(str(path)).shape) == want, orientation

@@ -3,9 +3,10 @@ kernels it replaced and against ``torchvision.ops.roi_align``, in pixels and in 
 
 Real JPEGs of many sizes (fine detail in every channel: a fractal, noise, a gradient), decoded on the device
 by the install's batched decoder (job.data.jpeg), cropped with RandomResizedCrop boxes and flips drawn as the
-workers draw them (train) and resized and centre-cropped (eval). Pixels: the largest difference in uint8 levels and the fraction of pixels that
-differ, against each reference; on CUDA also nvJPEG's decode against libjpeg-turbo's. Time: milliseconds per
-batch (median of the timed repetitions, the device synchronised), batched vs per-image.
+workers draw them (train) and resized and centre-cropped (eval). Pixels: the largest difference in uint8
+levels and the fraction of pixels that differ, against each reference; on CUDA also nvJPEG's decode against
+libjpeg-turbo's. Time: milliseconds per batch (median of the timed repetitions, the device synchronised),
+batched vs per-image.
 
     ddp-job bench crops [--quick] [--batch 64] [--size 224] [--device cpu|cuda]
 """
@@ -28,16 +29,22 @@ RAGGED_SIZES = [(17, 29), (48, 48), (300, 200), (123, 457), (64, 31), (375, 500)
 TIMED_SIZES = [(375, 500), (500, 375), (333, 500), (500, 333), (400, 300), (480, 640)]
 
 
-def jpeg_bytes(height: int, width: int, seed: int) -> bytes:
-    """A JPEG with fine detail in every channel: where resampling filters differ most."""
-    from PIL import Image
+def jpeg_bytes(height: int, width: int, seed: int, orientation: int = 1) -> bytes:
+    """A JPEG with fine detail in every channel: where resampling filters differ most. Stored ``height`` x
+    ``width``; an ``orientation`` other than 1 goes into its EXIF (how to turn it upright, as cameras write)."""
+    from PIL import ExifTags, Image
 
     rng = random.Random(seed)
     fractal = Image.effect_mandelbrot((width, height), (-2 + rng.random(), -1.2, 1, 1.2), 60)
     noise = Image.effect_noise((width, height), 40 + 40 * rng.random())
     ramp = Image.linear_gradient("L").resize((width, height))
+    extra = {}
+    if orientation != 1:
+        exif = Image.Exif()
+        exif[ExifTags.Base.Orientation] = orientation
+        extra["exif"] = exif.tobytes()
     buf = io.BytesIO()
-    Image.merge("RGB", (fractal, noise, ramp)).save(buf, "JPEG", quality=85)
+    Image.merge("RGB", (fractal, noise, ramp)).save(buf, "JPEG", quality=85, **extra)
     return buf.getvalue()
 
 
@@ -189,6 +196,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import torch
 
+    from job.data.device_decode import batch_decoder
+
     if a.device == "cuda" and not torch.cuda.is_available():
         print("bench crops: --device cuda but no CUDA GPU is visible. Fix: run it on a GPU machine, or --device cpu.")
         return 2
@@ -196,8 +205,6 @@ def main(argv: list[str]) -> int:
     batch = a.batch or (8 if a.quick else 64)
     reps = a.reps or (2 if a.quick else 5)
     encoded = [_tensor(jpeg_bytes(h, w, i)) for i, (h, w) in enumerate(RAGGED_SIZES)]
-    from job.data.device_decode import batch_decoder
-
     result = {"quick": a.quick, "device": a.device, "size": a.size, "decoder": batch_decoder().name}
     result["pixels"] = pixels(encoded, a.size, device)
     result["ms_per_batch"] = {"batch": batch, **timings(batch, a.size, reps, device)}

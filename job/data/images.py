@@ -29,9 +29,18 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-# EXIF orientations that turn the stored image by a quarter turn (transpose, 90, transverse, 270 degrees):
-# the upright image is the stored one with height and width exchanged.
-QUARTER_TURNS = frozenset({5, 6, 7, 8})
+# EXIF orientation -> (transpose, the axes then flipped) that turn the stored image upright
+_UPRIGHT: dict[int, tuple[bool, tuple[int, ...]]] = {
+    2: (False, (-1,)),
+    3: (False, (-2, -1)),
+    4: (False, (-2,)),
+    5: (True, ()),
+    6: (True, (-1,)),
+    7: (True, (-2, -1)),
+    8: (True, (-2,)),
+}
+# the orientations whose upright image is the stored one with height and width exchanged
+QUARTER_TURNS = frozenset(o for o, (transpose, _) in _UPRIGHT.items() if transpose)
 
 
 def pil_to_tensor(file: str | IO[bytes]) -> torch.Tensor:
@@ -55,6 +64,18 @@ def upright_size(im: Image.Image) -> tuple[int, int]:
     if exif_orientation(im) in QUARTER_TURNS:
         return width, height
     return height, width
+
+
+def upright(image: torch.Tensor, orientation: int) -> torch.Tensor:
+    """A ``C x H x W`` image as stored, turned upright as its EXIF ``orientation`` says, as PIL's
+    ``ImageOps.exif_transpose`` turns it: 2-4 mirror it or turn it by half a turn; 5-8 exchange its height and
+    width (6 is shown turned a quarter clockwise, 8 a quarter anticlockwise, 5 and 7 mirrored as well)."""
+    transpose, flips = _UPRIGHT.get(orientation, (False, ()))
+    if transpose:
+        image = image.transpose(-2, -1)
+    if flips:
+        image = image.flip(flips)
+    return image.contiguous()
 
 
 def decode(path: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from job.data.images import exif_orientation
+from job.data.images import exif_orientation, upright
 
 log = logging.getLogger("job")
 
@@ -87,25 +87,3 @@ def _orientation(raw: torch.Tensor) -> int:
             return exif_orientation(im)
     except Exception:  # not a readable header: the decoder raises for this file, naming what is wrong
         return 1
-
-
-def upright(image: torch.Tensor, orientation: int) -> torch.Tensor:
-    """A ``C x H x W`` image as stored, turned upright as its EXIF ``orientation`` says, as PIL's
-    ``ImageOps.exif_transpose`` turns it: 2-4 mirror it or turn it by half a turn; 5-8 exchange its height and
-    width (6 is shown turned a quarter clockwise, 8 a quarter anticlockwise, 5 and 7 mirrored as well)."""
-    if orientation == 2:
-        return image.flip(-1)
-    if orientation == 3:
-        return image.flip(-2, -1)
-    if orientation == 4:
-        return image.flip(-2)
-    if orientation in (5, 6, 7, 8):
-        turned = image.transpose(-2, -1)
-        if orientation == 6:
-            turned = turned.flip(-1)
-        elif orientation == 7:
-            turned = turned.flip(-2, -1)
-        elif orientation == 8:
-            turned = turned.flip(-2)
-        return turned.contiguous()
-    return image
