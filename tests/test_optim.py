@@ -93,6 +93,24 @@ def test_warmup_cosine_closed_form() -> None:
     assert lrs == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
+def test_cosine_floor_is_each_groups_own() -> None:
+    """Groups at lr_scale 1.0 and 0.1 with min_lr_factor 0.5: each ends at half of its own peak, the 0.1 group
+    never rising above its start."""
+    cfg = load_config(["--optim.lr", "1.0", "--train.steps", "10", "--sched.min-lr-factor", "0.5"], {})
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    groups = [{"params": first.parameters()}, {"params": second.parameters(), "lr_scale": 0.1}]
+    opt = build_optimizer(first, cfg.optim, 1.0, torch.device("cpu"), groups)
+    sched = build_scheduler(opt, cfg.sched, 10)
+    seen = []
+    for _ in range(10):
+        seen.extend(g["lr"] for g in opt.param_groups)
+        opt.step()
+        sched.step()
+    cos = [(1 + math.cos(math.pi * t / 10)) / 2 for t in range(10)]
+    assert seen == pytest.approx([lr for c in cos for lr in (0.5 + 0.5 * c, 0.05 + 0.05 * c)], rel=1e-9)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.5, 0.05], rel=1e-9)
+
+
 def test_warmup_step_closed_form() -> None:
     T, W = 30, 4
     peak, lrs = scheduled_lrs(

@@ -9,6 +9,7 @@ The scheduler is stepped once per optimizer step (not per epoch), so ``total_ste
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -105,6 +106,22 @@ def build_optimizer(
     return cls(groups, **kwargs)
 
 
+class GroupCosine(CosineAnnealingLR):
+    """Cosine annealing to a floor of ``min_lr_factor`` x each group's own base LR: a task's ``lr_scale`` holds
+    at the floor too (torch's ``eta_min`` is one value for every group). Closed form, as torch's for one group."""
+
+    def __init__(self, optimizer: Optimizer, steps: int, min_lr_factor: float) -> None:
+        self.eta_mins = [float(g.get("initial_lr", g["lr"])) * min_lr_factor for g in optimizer.param_groups]
+        super().__init__(optimizer, T_max=steps, eta_min=self.eta_mins[0])
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        return self._get_closed_form_lr()
+
+    def _get_closed_form_lr(self) -> list[float | torch.Tensor]:
+        cos = (1 + math.cos(math.pi * self.last_epoch / self.T_max)) / 2
+        return [eta + (base - eta) * cos for base, eta in zip(self.base_lrs, self.eta_mins, strict=True)]
+
+
 def build_scheduler(optimizer: Optimizer, cfg: SchedConfig, total_steps: int) -> LRScheduler:
     """Linear warmup (if any) followed by the main schedule over the remaining steps.
 
@@ -127,8 +144,7 @@ def build_scheduler(optimizer: Optimizer, cfg: SchedConfig, total_steps: int) ->
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     main_steps = max(total_steps - warmup, 1)
     if cfg.name == "cosine":
-        base_lr = optimizer.param_groups[0]["lr"]
-        main: LRScheduler = CosineAnnealingLR(optimizer, T_max=main_steps, eta_min=base_lr * cfg.min_lr_factor)
+        main: LRScheduler = GroupCosine(optimizer, steps=main_steps, min_lr_factor=cfg.min_lr_factor)
     elif cfg.name == "step":
         main = StepLR(optimizer, step_size=cfg.step_size, gamma=cfg.gamma)
     elif cfg.name == "multistep":
