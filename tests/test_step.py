@@ -8,6 +8,7 @@ raise ``NonFiniteError``.
 from __future__ import annotations
 
 import copy
+import math
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -300,3 +301,26 @@ def test_busy_time_on_cuda_events_is_read_only_when_the_observer_publishes(
     assert at == 4 and s["straggler/busy_s_max"] == pytest.approx(sum(spans) / 4)
     step()
     assert events.count("elapsed_time") == 4  # the next window is read at its own publish step
+
+
+def test_logged_loss_is_the_mean_of_the_steps_that_were_not_skipped(
+    runtime: distributed.Runtime, tmp_path: Path
+) -> None:
+    """Step 2 of a 4-step window is skipped (NaN loss): train/loss is the mean of steps 1, 3 and 4, not their sum
+    over 4."""
+    parts, plan, cfg = build(runtime, "--log.every", "4", "--run.output-dir", str(tmp_path))
+    writer = Recorder()
+    observer = Observer(cfg, detect_env({}), None, parts.raw_model, parts.device, plan.global_batch_size, writer, 0)
+    state = TrainState()
+    debug.install(cfg.debug.model_copy(update={"nan_at_steps": (2,)}), 0, parts, state)
+    batches = parts.loaders.batches(state)
+    train_log = TrainLog(4, 4, plan.global_batch_size, parts.device, writer, observer)
+    losses = []
+    for _ in range(4):
+        train_log.before_step()
+        out = train_step(parts, batches, plan, state, cfg.train)
+        losses.append(out.loss.item())
+        train_log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+    assert not math.isfinite(losses[1]) and all(math.isfinite(x) for x in losses[::2] + losses[3:])
+    logged = [s["train/loss"] for step, s in writer.rows if "train/loss" in s]
+    assert logged == [pytest.approx((losses[0] + losses[2] + losses[3]) / 3, rel=1e-6)]

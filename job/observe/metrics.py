@@ -160,6 +160,8 @@ class TrainLog:
         self.device, self.writer, self.observer, self.progress = device, writer, observer, progress
         self.timer = StepTimer()
         self.loss_sum = torch.zeros((), device=device)
+        self.finite_steps = torch.zeros((), device=device)
+        """The window's steps that were not skipped: the divisor of the loss (a skipped step adds no loss)."""
         self.latest: dict[str, float] = {}
         """The newest log step's scalars (host values): what a progress report carries."""
 
@@ -172,6 +174,7 @@ class TrainLog:
         self.timer.end_step()
         cross_rank = self.observer.step_done(step, self.timer)  # straggler/throughput/memory, profiler, progress file
         self.loss_sum += torch.where(out.finite, out.loss, 0.0)  # a skipped step adds nothing, without the host
+        self.finite_steps += out.finite
         if self.progress is not None:
             self.progress.update(1)
         if self.due(step):
@@ -182,10 +185,12 @@ class TrainLog:
         return step % self.every == 0 or step == self.total_steps
 
     def _emit(self, step: int, out: Any, lr: float, cross_rank: dict[str, float] | None) -> None:
-        # One transfer for both device values.
-        loss_sum, grad_norm = torch.stack([self.loss_sum.float(), out.grad_norm.detach().float()]).tolist()
+        # One transfer for the device values.
+        loss_sum, finite_steps, grad_norm = torch.stack(
+            [self.loss_sum.float(), self.finite_steps.float(), out.grad_norm.detach().float()]
+        ).tolist()
         scalars = {
-            "train/loss": loss_sum / max(self.timer.steps, 1),
+            "train/loss": _mean(loss_sum, finite_steps),
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "perf/peak_memory_mb": peak_memory_mb(self.device),
@@ -199,7 +204,15 @@ class TrainLog:
         )
         log.info(line + _cross_rank_facts(cross_rank, self.STRAGGLER_RATIO))
         self.loss_sum.zero_()
+        self.finite_steps.zero_()
         self.timer.reset()
+
+
+def _mean(total: float, steps: float) -> float:
+    """The window's mean over its steps that were not skipped; NaN when every one was."""
+    if steps == 0:
+        return float("nan")
+    return total / steps
 
 
 def _cross_rank_facts(s: dict[str, float] | None, ratio: float) -> str:
