@@ -141,6 +141,43 @@ def test_param_groups_freeze_what_they_leave_out_and_scale_the_lr(tmp_path: Path
     assert set(out[-1].extras) == {"mae"} and out[-1].extras["mae"].ndim == 0
 
 
+def test_extra_loss_values_reach_tensorboard_averaged_like_the_loss(tmp_path: Path) -> None:
+    """The regression task's ``loss`` returns ``{"mae": ...}``: train/mae is logged at each log step as the
+    window's mean of the steps' values (2 micro-batches each), read back with TensorBoard's reader."""
+    from job.cluster.env import detect_env
+    from job.config.plan import make_plan
+    from job.observe.metrics import TensorBoardWriter, TrainLog
+    from job.observe.observer import Observer
+    from job.parallel import distributed
+    from job.train.parts import build_parts
+    from job.train.step import TrainState, train_step
+
+    args = ["--task.name", "support.user_tasks:regression", "--run.output-dir", str(tmp_path), *COMMON]
+    cfg = load_config([*args, "--train.global-batch-size", "8", "--train.micro-batch-size", "4"], {})
+    env = detect_env({})
+    plan = make_plan(cfg, 1)
+    rt = distributed.setup(env, cfg.dist)
+    writer = TensorBoardWriter(tmp_path / "tb")
+    try:
+        parts = build_parts(cfg, env, plan, rt)
+        observer = Observer(cfg, env, None, parts.raw_model, parts.device, plan.global_batch_size, writer, 0)
+        train_log = TrainLog(2, 4, plan.global_batch_size, parts.device, writer, observer)
+        state = TrainState()
+        batches = parts.loaders.batches(state)
+        mae = []
+        for _ in range(4):
+            train_log.before_step()
+            out = train_step(parts, batches, plan, state, cfg.train)
+            mae.append(out.extras["mae"].item())
+            train_log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+    finally:
+        writer.close()
+        distributed.teardown()
+    got = scalars(tmp_path / "tb")["train/mae"]
+    assert [s for s, _ in got] == [2, 4]
+    assert [v for _, v in got] == pytest.approx([(mae[0] + mae[1]) / 2, (mae[2] + mae[3]) / 2], rel=1e-6)
+
+
 BAD_TASKS = [
     ("support.user_tasks:Missing", "has no attribute 'Missing'"),
     ("support.user_tasks:NoMetrics", "has no method metrics"),

@@ -162,6 +162,8 @@ class TrainLog:
         self.loss_sum = torch.zeros((), device=device)
         self.finite_steps = torch.zeros((), device=device)
         """The window's steps that were not skipped: the divisor of the loss (a skipped step adds no loss)."""
+        self.extra_sums: dict[str, torch.Tensor] = {}
+        """The task's extra loss values (``loss`` returned ``(loss, {name: value})``), summed like the loss."""
         self.latest: dict[str, float] = {}
         """The newest log step's scalars (host values): what a progress report carries."""
 
@@ -175,6 +177,12 @@ class TrainLog:
         cross_rank = self.observer.step_done(step, self.timer)  # straggler/throughput/memory, profiler, progress file
         self.loss_sum += torch.where(out.finite, out.loss, 0.0)  # a skipped step adds nothing, without the host
         self.finite_steps += out.finite
+        for name, value in out.extras.items():
+            kept = torch.where(out.finite, value.float(), 0.0)
+            if name in self.extra_sums:
+                self.extra_sums[name] += kept
+            else:
+                self.extra_sums[name] = kept
         if self.progress is not None:
             self.progress.update(1)
         if self.due(step):
@@ -185,11 +193,18 @@ class TrainLog:
         return step % self.every == 0 or step == self.total_steps
 
     def _emit(self, step: int, out: Any, lr: float, cross_rank: dict[str, float] | None) -> None:
+        names = sorted(self.extra_sums)
         # One transfer for the device values.
-        loss_sum, finite_steps, grad_norm = torch.stack(
-            [self.loss_sum.float(), self.finite_steps.float(), out.grad_norm.detach().float()]
+        loss_sum, finite_steps, grad_norm, *extra_sums = torch.stack(
+            [
+                self.loss_sum.float(),
+                self.finite_steps.float(),
+                out.grad_norm.detach().float(),
+                *(self.extra_sums[n] for n in names),
+            ]
         ).tolist()
-        scalars = {
+        scalars = {  # the task's extra values first: a name of the job's own (train/loss, train/lr) wins
+            **{f"train/{n}": _mean(v, finite_steps) for n, v in zip(names, extra_sums, strict=True)},
             "train/loss": _mean(loss_sum, finite_steps),
             "train/lr": lr,
             "train/grad_norm": grad_norm,
@@ -205,6 +220,7 @@ class TrainLog:
         log.info(line + _cross_rank_facts(cross_rank, self.STRAGGLER_RATIO))
         self.loss_sum.zero_()
         self.finite_steps.zero_()
+        self.extra_sums.clear()
         self.timer.reset()
 
 
