@@ -201,6 +201,18 @@ def test_tensorboard_scalars_from_rank0_only(exact_runs: dict[str, Path]) -> Non
     assert "config" in " ".join(acc.Tags()["tensors"])  # the resolved config as text
 
 
+def test_logged_loss_is_the_mean_over_ranks(exact_runs: dict[str, Path]) -> None:
+    """train/loss of 2 processes x 8 items is the global batch's mean loss: what 1 process x 16 items and
+    1 process x 2 micro-steps of 8 log, up to float summation order (not rank 0's half-batch loss)."""
+    from test_observe import scalars
+
+    ddp2 = [v for _, v in scalars(exact_runs["ddp2"] / "tb")["train/loss"]]
+    for name in ("single", "single_accum"):
+        one = [v for _, v in scalars(exact_runs[name] / "tb")["train/loss"]]
+        print(f"train/loss {name}: {one}\ntrain/loss ddp2:   {ddp2}")
+        assert ddp2 == pytest.approx(one, rel=1e-5), name
+
+
 def test_resume_continues_and_ignores_torn_checkpoint(tmp_path: Path, tiny_data: Path) -> None:
     out = tmp_path / "runs"
     env = base_env(tmp_path)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from job.config import flatten
+from job.parallel import distributed
 
 log = logging.getLogger("job")
 
@@ -193,15 +194,13 @@ class TrainLog:
         return step % self.every == 0 or step == self.total_steps
 
     def _emit(self, step: int, out: Any, lr: float, cross_rank: dict[str, float] | None) -> None:
-        names = sorted(self.extra_sums)
+        names = sorted(self.extra_sums)  # the same on every rank: the same task code returned them
+        # Each rank's loss is the mean over its own items: the mean over ranks is the global batch's (one
+        # all-reduce, at log steps only). The skipped steps are the same on every rank.
+        sums = distributed.mean_over_ranks(torch.stack([self.loss_sum.float(), *(self.extra_sums[n] for n in names)]))
         # One transfer for the device values.
-        loss_sum, finite_steps, grad_norm, *extra_sums = torch.stack(
-            [
-                self.loss_sum.float(),
-                self.finite_steps.float(),
-                out.grad_norm.detach().float(),
-                *(self.extra_sums[n] for n in names),
-            ]
+        finite_steps, grad_norm, loss_sum, *extra_sums = torch.cat(
+            [torch.stack([self.finite_steps.float(), out.grad_norm.detach().float()]), sums]
         ).tolist()
         scalars = {  # the task's extra values first: a name of the job's own (train/loss, train/lr) wins
             **{f"train/{n}": _mean(v, finite_steps) for n, v in zip(names, extra_sums, strict=True)},

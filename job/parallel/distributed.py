@@ -172,6 +172,15 @@ class StepFlagVote:
         return bool(self._flag.item())
 
 
+def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` over every rank (on the device group: the values stay on the device, no host
+    wait); ``values`` itself where there is no process group or one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    dist.all_reduce(values)
+    return values / dist.get_world_size()
+
+
 def broadcast_from_main(values: list[float], rt: Runtime) -> list[float]:
     """Rank 0's ``values`` on every rank (float64 on the CPU control group: no GPU sync)."""
     t = torch.tensor(values, dtype=torch.float64)
