@@ -24,6 +24,13 @@ def final(stdout: str) -> dict[str, float]:
     return {"step": int(m[1]), "top1": float(m[2]), "top5": float(m[3]), "loss": float(m[4]), "count": int(m[5])}
 
 
+def final_line(stdout: str) -> str:
+    """The FINAL line up to its paths."""
+    m = FINAL.search(stdout)
+    assert m, f"no FINAL line in:\n{stdout[-3000:]}"
+    return m[0]
+
+
 def exact_args(data: Path, out: Path, name: str, **over: str) -> list[str]:
     """A setup that is exact in principle across world sizes: GroupNorm (no batch statistics), no augmentation,
     no dropout, the same samples in every global batch (job.data.loaders's row layout), SGD without momentum noise."""
@@ -236,3 +243,46 @@ def test_resume_continues_and_ignores_torn_checkpoint(tmp_path: Path, tiny_data:
     assert third.returncode == 0
     assert not re.findall(r"step \d+/20 loss", third.stdout)
     assert final(third.stdout)["step"] == 20
+
+
+# --- a BatchNorm model at 2 ranks: evaluation and the checkpoint agree -----------------------------------------
+
+
+BATCHNORM = {
+    "--model.norm": "batch",
+    "--train.steps": "12",
+    "--optim.lr": "0.02",
+    "--ema.enabled": "true",
+    "--ema.decay": "0.8",
+}
+
+
+@pytest.fixture(scope="module")
+def batchnorm_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """(data, run directory, stdout) of 2 ranks training resnet18 with BatchNorm and EMA: after each step the
+    ranks' running statistics differ (each saw its own half of the batch)."""
+    base = tmp_path_factory.mktemp("batchnorm")
+    data = make_data(base / "data", classes=4, per_class=16, size=16, val_per_class=5)
+    r = torchrun(2, exact_args(data, base / "runs", "bn", **BATCHNORM), env=base_env(base))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return data, base / "runs" / "bn", r.stdout
+
+
+def test_batchnorm_evaluation_describes_the_saved_model(batchnorm_run: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """The 2-rank run's final evaluation (every rank on its shard) equals 1 process evaluating the checkpoint it
+    saved (a resume of the finished run): every rank evaluated rank 0's statistics, the ones saved."""
+    from test_observe import scalars
+
+    data, run_dir, stdout = batchnorm_run
+    copy = tmp_path / "runs" / "bn"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("tb"))
+    args = exact_args(data, tmp_path / "runs", "bn", **BATCHNORM, **{"--ckpt.allow-world-size-change": "true"})
+    r = run_cli(["train", *args], env=base_env(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    print(f"\n2 ranks:   {final_line(stdout)}\n1 process: {final_line(r.stdout)}")
+    assert final(r.stdout) == final(stdout)
+    two, one = scalars(run_dir / "tb"), scalars(copy / "tb")
+    for tag in ("val/loss", "val/top1", "ema/val/loss", "ema/val/top1"):
+        assert one[tag][-1][0] == two[tag][-1][0] == 12
+        assert one[tag][-1][1] == pytest.approx(two[tag][-1][1], rel=1e-6), tag

@@ -21,12 +21,14 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from job.checkpoint.resume import map_data_position, rng_state, set_rng_state
 from job.config.plan import Plan
 from job.errors import CheckpointLoadError
+from job.parallel.distributed import broadcast_buffers
 
 log = logging.getLogger("job")
 
@@ -107,6 +109,23 @@ class Progress:
             self.state.micro_batches_in_epoch = map_data_position(
                 saved, self.layout.saved["plan"], world_size, self.micro_batch_size
             )
+
+
+class ModelState:
+    """A model (or the EMA's copy); its buffers are made rank 0's on every rank before a save, so the ranks go
+    on with the statistics the checkpoint holds (what a resume would load)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def gather(self) -> None:
+        broadcast_buffers(self.module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state)
 
 
 class OptimizerState:

@@ -20,6 +20,7 @@ from typing import cast
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from job.cluster.env import DistEnv
 from job.config import DistConfig
@@ -179,6 +180,20 @@ def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
         return values
     dist.all_reduce(values)
     return values / dist.get_world_size()
+
+
+def broadcast_buffers(module: nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm running statistics) on every rank, in place, on the device group.
+
+    DDP broadcasts them only at the start of a training forward, so after a step each rank holds the
+    statistics of its own micro-batches. Evaluation and saving call this first: every rank evaluates the model
+    rank 0 saves. Training is unchanged: the next forward would broadcast rank 0's anyway.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def broadcast_from_main(values: list[float], rt: Runtime) -> list[float]:

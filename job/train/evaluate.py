@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from job.observe.metrics import NullWriter
+from job.parallel import distributed
 from job.train.parts import Parts
 
 
@@ -69,8 +70,10 @@ class Evaluator:
     def results(self) -> dict[str, float]:
         """Validation metrics of the model, and of the EMA as ``ema/...`` when it is enabled (every rank)."""
         p = self.parts
+        distributed.broadcast_buffers(p.raw_model)  # the model rank 0 saves, on every rank
         out = evaluate(p.raw_model, p)
         if p.ema is not None:
+            distributed.broadcast_buffers(p.ema.module)
             out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p).items()})
         self.latest = out
         return out

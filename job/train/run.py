@@ -24,7 +24,7 @@ from job.checkpoint import cadence
 from job.checkpoint import store as ckpt
 from job.checkpoint.checkpointer import Checkpointer
 from job.checkpoint.resume import agree_on_checkpoint, find_resume
-from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
+from job.checkpoint.states import Layout, ModelState, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
 from job.cluster.env import NOTICE_VAR, DistEnv, detect_env, interruptions, launcher_notice_s
 from job.config import JobConfig, config_to_dict, dump_config, load_config
@@ -263,7 +263,7 @@ def _checkpointer(
     states = States()
     states.add("layout", layout)
     states.add("trainer", Progress(state, layout, plan.micro_batch_size))
-    states.add("model", parts.raw_model)
+    states.add("model", ModelState(parts.raw_model))
     states.add("optimizer", OptimizerState(parts.optimizer, parallel.before_save))
     states.add("scheduler", Schedule(parts.scheduler, layout, state))
     states.add("scaler", parts.scaler)
