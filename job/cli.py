@@ -13,7 +13,9 @@ USAGE = f"""usage: ddp-job COMMAND [ARGS]
 
 commands:
   train        train (as a torchrun worker, a single process, or launching one process per GPU itself)
-  launch       torchrun drop-in: ddp-job launch [torchrun options] -- [train|doctor] [args]; maps worker exit codes
+  evaluate     a checkpoint's exact validation metrics: ddp-job evaluate [train args] [--ckpt.path DIR]
+               (the newest checkpoint of the run directory by default; any launcher, any world size)
+  launch       torchrun drop-in: ddp-job launch [torchrun options] -- [train|doctor|evaluate] [args]; maps exit codes
   make-data    write a learnable ImageFolder dataset: ddp-job make-data --out DIR --classes 10 --per-class 100
                (--format webdataset: the same images as tar shards + index)
   config show  print the resolved config as YAML: ddp-job config show [--config PATH] [--section.field VALUE]
@@ -42,6 +44,20 @@ def _self_launch_nproc(configured: int, environ: os._Environ[str] | dict[str, st
 
 
 def _train(argv: list[str]) -> int:
+    from job.train.run import main as train_main
+
+    # entrypoint() leaves with os._exit: no slow teardown after a preemption save.
+    return _worker("train", train_main, argv)
+
+
+def _evaluate(argv: list[str]) -> int:
+    from job.train.checkpoint_eval import main as evaluate_main
+
+    return _worker("evaluate", evaluate_main, argv)
+
+
+def _worker(command: str, worker_main: Callable[..., int], argv: list[str]) -> int:
+    """A command every rank runs: in this process, or launching ``dist.nproc_per_node`` workers itself."""
     from job.config import load_config
 
     cfg = None
@@ -51,12 +67,10 @@ def _train(argv: list[str]) -> int:
         if nproc > 1:
             from job.launchers import torchrun as launch
 
-            return launch.launch_main(launch.standalone_argv(nproc, argv))
-    from job.train.run import main as train_main
-
-    # The config parsed here is the run's (parsed once); entrypoint() leaves with os._exit: no slow teardown
-    # after a preemption save.
-    return train_main(argv, cfg=cfg)
+            return launch.launch_main(launch.standalone_argv(nproc, [command, *argv]))
+    # The config parsed here is the worker's (parsed once).
+    code: int = worker_main(argv, cfg=cfg)
+    return code
 
 
 def _doctor(argv: list[str]) -> int:
@@ -88,6 +102,7 @@ def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
+    "evaluate": _evaluate,
     "config": _config,
     "launch": _lazy("job.launchers.torchrun", "launch_main"),
     "make-data": _lazy("job.data.datagen", "make_data_main"),

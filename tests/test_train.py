@@ -3,6 +3,7 @@ TensorBoard events, resume. CPU + gloo."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -286,3 +287,46 @@ def test_batchnorm_evaluation_describes_the_saved_model(batchnorm_run: tuple[Pat
     for tag in ("val/loss", "val/top1", "ema/val/loss", "ema/val/top1"):
         assert one[tag][-1][0] == two[tag][-1][0] == 12
         assert one[tag][-1][1] == pytest.approx(two[tag][-1][1], rel=1e-6), tag
+
+
+EVAL = re.compile(r"^EVAL step=(\d+) (.*) val_count=(\d+) checkpoint=(\S+) results=(\S+)$", re.M)
+
+
+def test_evaluate_command_prints_the_runs_final_values(batchnorm_run: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """``ddp-job evaluate --config <run>/config.yaml`` of the 2-rank BatchNorm run's checkpoint, in 1 process
+    and in 2 it launches itself: the EVAL line carries the values of the run's FINAL line, and its JSON every
+    value TensorBoard holds for the final step (the EMA's too)."""
+    from test_observe import scalars
+
+    _, run_dir, stdout = batchnorm_run
+    run_final = FINAL.search(stdout)
+    assert run_final
+    tb = scalars(run_dir / "tb")
+    for nproc in ("1", "2"):
+        r = run_cli(
+            ["evaluate", "--config", str(run_dir / "config.yaml"), "--dist.nproc-per-node", nproc],
+            env=base_env(tmp_path),
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        m = EVAL.search(r.stdout)
+        assert m, r.stdout[-3000:]
+        print(f"\nrun:                  {run_final[0]}\nevaluate ({nproc} process): {m[0]}")
+        assert f"step={m[1]} {m[2]} val_count={m[3]}" in run_final[0]
+        assert Path(m[4]) == run_dir / "step-0000012"
+        results = json.loads(Path(m[5]).read_text())["results"]
+        for tag in ("val/loss", "val/top1", "val/top5", "ema/val/loss", "ema/val/top1"):
+            assert tb[tag][-1][0] == 12
+            assert results[tag] == pytest.approx(tb[tag][-1][1], rel=1e-6), tag
+
+
+def test_evaluate_without_a_checkpoint_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from job.cli import main
+
+    out = tmp_path / "runs"
+    args = ["evaluate", "--data.source", "synthetic", "--run.output-dir", str(out), "--run.name", "none"]
+    assert main(args) == 2
+    assert main([*args, "--ckpt.path", str(tmp_path / "step-0000003")]) == 2
+    err = capsys.readouterr().err
+    assert f"no valid checkpoint in the run directory {out / 'none'}" in err, err
+    assert f"ckpt.path={str(tmp_path / 'step-0000003')!r} is not a complete checkpoint" in err, err
+    assert not out.exists()

@@ -329,6 +329,9 @@ class CkptConfig(BaseModel):
     """Allow resuming with a different world size (data position is mapped by samples seen)."""
     allow_config_change: bool = False
     """Allow resuming when training-relevant settings differ from the checkpoint's config."""
+    path: str = ""
+    """``ddp-job evaluate``: the checkpoint to evaluate (a step-NNNNNNN directory); empty: the newest valid one in
+    the run directory. Training ignores it (it resumes from the run directory)."""
 
     @field_validator("every", mode="before")
     @classmethod

@@ -1,6 +1,6 @@
 """``ddp-job launch``: torchrun with the job as its only target, and the job's exit codes.
 
-``ddp-job launch [torchrun options] [--] [train|doctor] [args]`` is ``torchrun [options] -m job train [args]``
+``ddp-job launch [torchrun options] [--] [train|doctor|evaluate] [args]`` is ``torchrun [options] -m job train [args]``
 run in this process (torch's own option parser, so every torchrun option and every ``PET_*`` variable a
 PyTorchJob pod carries work the same), except for the exit status. The first word after the torchrun
 options may choose the worker command: ``train`` (the default) or ``doctor`` (the preflight checks under
@@ -29,7 +29,7 @@ log = logging.getLogger("job.launchers.torchrun")
 
 TARGET_MODULE = "job"
 TARGET_COMMAND = "train"  # the default worker command
-TARGET_COMMANDS = ("train", "doctor")  # what the first word after the torchrun options may choose
+TARGET_COMMANDS = ("train", "doctor", "evaluate")  # what the first word after the torchrun options may choose
 
 # Elastic restarts (--max-restarts > 0) with the c10d rendezvous break when the agents' rendezvous
 # TCPStore is shared with the workers (torch's default since 2.5): the store outlives a restart, so the
@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = get_args_parser()
     parser.prog = "ddp-job launch"
-    parser.usage = "ddp-job launch [torchrun options] [--] [train|doctor] [args]"
+    parser.usage = "ddp-job launch [torchrun options] [--] [train|doctor|evaluate] [args]"
     parser.description = (
         "torchrun [options] -m job train [args] (or -m job doctor [args] when the first word after the "
         "options is `doctor`), exiting with the job's codes: 143 if any worker was preempted after saving, "

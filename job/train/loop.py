@@ -133,7 +133,7 @@ def finish(run: Run) -> int:
     results = run.evaluator.results()
     if is_main and run.parts.ema is not None:  # the headline metric (the task's first) and the loss
         headline = dict.fromkeys((run.parts.metric_names[0], "loss"))
-        log.info("EMA %s", _values(results, "ema/val/", tuple(headline)))
+        log.info("EMA %s", metric_values(results, "ema/val/", tuple(headline)))
     run.writer.scalars(step, results)
     comm = ddp.comm_summary(run.parts.model, run.plan.grad_accum_steps)
     if comm and is_main:
@@ -146,14 +146,14 @@ def finish(run: Run) -> int:
     if is_main:
         run_dir = run.cfg.run_dir
         print(
-            f"FINAL step={step} {_values(results, 'val/')} val_count={int(results['val/count'])} run_dir={run_dir} "
+            f"FINAL step={step} {metric_values(results, 'val/')} val_count={int(results['val/count'])} run_dir={run_dir} "
             f"tensorboard={run_dir / 'tb'}",
             flush=True,
         )
     return EXIT_OK
 
 
-def _values(results: dict[str, float], prefix: str, only: tuple[str, ...] = ()) -> str:
+def metric_values(results: dict[str, float], prefix: str, only: tuple[str, ...] = ()) -> str:
     """``val_<name>=<value>`` for each result under ``prefix`` (the task's metrics in its order, then derived
     ones; ``only`` these names where given), the count left to the caller."""
     names = [k for k in results if k.startswith(prefix) and k != prefix + "count"]
