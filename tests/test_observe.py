@@ -196,3 +196,26 @@ def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -
     assert line is not None, out[-5000:]
     assert "stalled: rank(s) [1]" in line and "rank 1: completed step 2, computing step 3" in line, line
     assert "rank 0: completed step 2, gradients of step 3 ready, waiting in its all-reduce" in line, line
+
+
+def test_metrics_jsonl_holds_one_record_per_log_step(tmp_path: Path, data: Path) -> None:
+    """2 ranks, log.jsonl on: metrics.jsonl has one line per log step (2 and 4), each the whole step's record,
+    the training log's, the observer's and the evaluation's values together, equal to what TensorBoard holds
+    for that step (TensorBoard keeps float32)."""
+    run_dir = tmp_path / "runs" / "jsonl"
+    args = [*("--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "jsonl")]
+    args += ["--train.steps", "4", "--log.every", "2", "--train.eval-every", "2", "--log.jsonl", "true"]
+    r = torchrun(2, args, env=base_env(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # what pandas.read_json(path, lines=True) parses
+    assert [rec["step"] for rec in records] == [2, 4]
+    for rec in records:
+        assert {"step", "time", "train/loss", "train/lr", "straggler/slowest_rank", "val/loss", "val/top1"} <= set(rec)
+    tb = scalars(run_dir / "tb")
+    for rec in records:
+        at_step = {tag: v for tag, events in tb.items() for s, v in events if s == rec["step"]}
+        at_step = {tag: v for tag, v in at_step.items() if not tag.startswith("hparam/")}
+        assert set(at_step) == set(rec) - {"step", "time"}, set(at_step) ^ (set(rec) - {"step", "time"})
+        for tag, v in at_step.items():
+            assert rec[tag] == pytest.approx(v, rel=1e-6, abs=1e-6), tag

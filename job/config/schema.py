@@ -358,13 +358,16 @@ class CkptConfig(BaseModel):
 
 
 class LogConfig(BaseModel):
-    """Console and TensorBoard."""
+    """Console, TensorBoard and metrics.jsonl."""
 
     model_config = _SECTION
     every: int = Field(10, ge=1)
     """Log training scalars every N steps."""
     tensorboard: bool = True
     """Write TensorBoard events to <run_dir>/tb (rank 0 only)."""
+    jsonl: bool = False
+    """Also append each log step's record (every scalar of the step) to <run_dir>/metrics.jsonl, one JSON object
+    per line (rank 0 only, written by a thread of its own): pandas.read_json(path, lines=True) reads it."""
     progress: Literal["auto", "on", "off"] = "auto"
     """tqdm progress bar on rank 0 (auto: only when stdout is a terminal)."""
 

@@ -6,10 +6,14 @@ rank (torchtitan's pattern). Console lines carry a ``[rank r/w]`` prefix.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
+import queue
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,9 @@ from job.config import flatten
 from job.parallel import distributed
 
 log = logging.getLogger("job")
+
+METRICS_JSONL = "metrics.jsonl"
+"""``log.jsonl``: rank 0's step records in the run directory, one JSON object per line."""
 
 
 def setup_console(rank: int, world_size: int) -> None:
@@ -34,9 +41,12 @@ def setup_console(rank: int, world_size: int) -> None:
 
 
 class NullWriter:
-    """What non-zero ranks (and disabled TensorBoard) get."""
+    """What non-zero ranks (and a run with no metrics sink) get."""
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        pass
+
+    def commit(self) -> None:
         pass
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
@@ -76,8 +86,84 @@ class TensorBoardWriter(NullWriter):
         self._w.close()
 
 
-def build_writer(enabled: bool, is_main: bool, run_dir: Path) -> NullWriter:
-    return TensorBoardWriter(run_dir / "tb") if enabled and is_main else NullWriter()
+class JsonlSink(NullWriter):
+    """Each step's record as one JSON object per line (``{"step": N, "time": unix s, "<tag>": value, ...}``),
+    appended to ``path`` by a thread of its own: the training thread only queues the record. Non-finite values
+    are written as null (JSON has no NaN), which pandas reads as NaN."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("a", encoding="utf-8")
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="metrics-jsonl", daemon=True)
+        self._thread.start()
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        record: dict[str, float | None] = {"step": step, "time": round(time.time(), 3)}
+        record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+        self._queue.put(json.dumps(record))
+
+    def _write(self) -> None:
+        while (line := self._queue.get()) is not None:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._file.close()
+
+
+class StepRecords(NullWriter):
+    """The one home of a step's scalars: every component (training log, observer, evaluation, checkpoint
+    cadence, final results) adds its values to the record of the step; the record goes to each sink (TensorBoard,
+    ``metrics.jsonl``) once, when the loop commits the step or a later step's values arrive."""
+
+    def __init__(self, sinks: list[NullWriter], tensorboard: NullWriter) -> None:
+        self.sinks, self.tensorboard = sinks, tensorboard
+        self.step: int | None = None
+        self.record: dict[str, float] = {}
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.step is not None and step != self.step:
+            self.commit()
+        self.step = step
+        self.record.update({k: float(v) for k, v in values.items()})
+
+    def commit(self) -> None:
+        if self.step is not None and self.record:
+            for sink in self.sinks:
+                sink.scalars(self.step, self.record)
+        self.step, self.record = None, {}
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        self.tensorboard.text(tag, text, step)
+
+    def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
+        self.tensorboard.hparams(hparams, metrics)
+
+    def flush(self) -> None:
+        self.commit()
+        for sink in self.sinks:
+            sink.flush()
+
+    def close(self) -> None:
+        self.commit()
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_writer(tensorboard: bool, is_main: bool, run_dir: Path, jsonl: bool = False) -> NullWriter:
+    """Rank 0's step records, to TensorBoard (``log.tensorboard``) and ``metrics.jsonl`` (``log.jsonl``)."""
+    if not is_main or not (tensorboard or jsonl):
+        return NullWriter()
+    tb: NullWriter = NullWriter()
+    sinks: list[NullWriter] = []
+    if tensorboard:
+        tb = TensorBoardWriter(run_dir / "tb")
+        sinks.append(tb)
+    if jsonl:
+        sinks.append(JsonlSink(run_dir / METRICS_JSONL))
+    return StepRecords(sinks, tb)
 
 
 def hparams(config: dict[str, Any]) -> dict[str, Any]:

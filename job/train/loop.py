@@ -91,6 +91,8 @@ def iteration(run: Run) -> bool:
     if stop_agreed(run):
         return True
     run.checkpointer.after_step(state.step)
+    if state.step < run.plan.total_steps:  # the last step's record takes the final evaluation first (finish)
+        run.writer.commit()  # the step's record, complete: every component has added its values
     if run.log.due(state.step):  # after the step's save: a synchronous one is already on storage
         run.reporter.update(status(run))
     return False
@@ -116,6 +118,7 @@ def preempted(run: Run) -> int:
     run.parts.guard.check(step, run.state)
     log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
     run.checkpointer.save(step)
+    run.writer.commit()
     # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
     # nobody exits before rank 0's checkpoint is on disk.
     run.checkpointer.manager.wait()
@@ -135,6 +138,7 @@ def finish(run: Run) -> int:
         headline = dict.fromkeys((run.parts.metric_names[0], "loss"))
         log.info("EMA %s", metric_values(results, "ema/val/", tuple(headline)))
     run.writer.scalars(step, results)
+    run.writer.commit()
     comm = ddp.comm_summary(run.parts.model, run.plan.grad_accum_steps)
     if comm and is_main:
         log.info(comm)

@@ -171,7 +171,7 @@ def build_run(
     state = TrainState()
     debug.install(cfg.debug, env.rank, parts, state)
     writer = cleanup.enter_context(
-        contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir))
+        contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir, cfg.log.jsonl))
     )
     checkpointer = _checkpointer(cfg, env, plan, rt, parts, state, writer)
     cleanup.callback(checkpointer.manager.close)
