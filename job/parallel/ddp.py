@@ -91,11 +91,29 @@ def apply_tf32(enabled: bool) -> None:
 
 
 class DataParallelBaseline(nn.DataParallel):
-    """nn.DataParallel with the one method the training loop needs from DDP."""
+    """nn.DataParallel with the one method the training loop needs from DDP, around the task's training step:
+    each GPU's replica returns its scalars, which come back as one value per replica and leave as their mean
+    (the chunks of a batch are of equal size)."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return _replica_mean(super().forward(*inputs, **kwargs), len(self.device_ids))
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         # One process: gradients land on the first device via autograd; there is no all-reduce to skip.
         return contextlib.nullcontext()
+
+
+def _replica_mean(out: Any, replicas: int) -> Any:
+    """The gathered per-replica scalars of ``out`` (tensors in tuples and dicts) as their mean."""
+    if replicas <= 1:  # one device: DataParallel calls the module itself, nothing gathered
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.float().mean()
+    if isinstance(out, dict):
+        return {k: _replica_mean(v, replicas) for k, v in out.items()}
+    if isinstance(out, tuple):
+        return tuple(_replica_mean(v, replicas) for v in out)
+    return out
 
 
 @dataclass

@@ -6,7 +6,8 @@ A task is any object with these members (docs/tasks.md is the user's page):
 ``build_model() -> nn.Module``         the model, built the same way on every rank (the job seeds it)
 ``dataset(split) -> map-style``        ``"train"`` / ``"val"``: ``__len__`` and ``__getitem__(index)``
 ``collate(items) -> batch``            optional; default ``torch.utils.data.default_collate``
-``loss(model, batch)``                 the micro-batch's mean loss, a scalar tensor, or ``(loss, {name: t})``
+``loss(model, batch)``                 the micro-batch's mean loss, a scalar tensor, or ``(loss, {name: t})``;
+                                       ``model`` is the user's own module (job.train wraps ``TrainingStep``)
 ``metrics(model, batch)``              ``{name: (sum, count)}`` of an eval batch, summed over ranks exactly
 ``param_groups(model)``                optional: torch parameter groups; ``lr_scale`` multiplies the job's LR,
                                        parameters in no group are frozen
@@ -156,6 +157,24 @@ def _is_scalar(v: Any) -> bool:
     if isinstance(v, torch.Tensor):
         return v.ndim == 0
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class TrainingStep(nn.Module):
+    """The task's loss as a module, for the training wrapper (DDP, DataParallel, compile) to wrap.
+
+    ``loss`` then gets the user's own module (``model.config``, helper methods: what preflight and evaluation
+    pass too), while the forward still runs through the wrapper's ``forward``, where DDP prepares the
+    gradient all-reduce and broadcasts buffers. After Lightning, which wraps its ``training_step`` the same
+    way. ``model`` is the only submodule: parameters, buffers and ``train()``/``eval()`` are the model's.
+    """
+
+    def __init__(self, model: nn.Module, task: Bound) -> None:
+        super().__init__()
+        self.model = model
+        self.task = task  # not a module: holds no parameters
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.task.loss(self.model, batch)
 
 
 def describe(value: Any) -> str:

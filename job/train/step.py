@@ -78,7 +78,7 @@ def train_step(
         # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
         with _sync_context(parts.model, sync=micro == last):
             with parts.autocast:
-                loss, values = parts.task.loss(parts.train_model, batch)
+                loss, values = parts.train_model(batch)  # the task's loss(raw_model, batch)
                 loss = loss / plan.grad_accum_steps
             parts.scaler.scale(loss).backward()
         step_loss += loss.detach()

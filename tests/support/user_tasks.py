@@ -118,3 +118,39 @@ class Ragged(Dataset):
 class RaggedItems(Regression):
     def dataset(self, split: str) -> Dataset:
         return Ragged()
+
+
+class ConfiguredNet(nn.Module):
+    """A model with what real models carry beside ``forward``: a ``config`` and a helper method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = {"scale": 2.0}
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+    def residual(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self(batch["x"]) - batch["y"]
+
+
+class ReadsModel(Regression):
+    """A loss and metrics that read ``model.config`` and call a helper method of the model."""
+
+    def build_model(self) -> nn.Module:
+        return ConfiguredNet()
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert isinstance(model, ConfiguredNet), type(model)  # the user's own module, never a wrapper
+        err = model.residual(batch) * model.config["scale"]
+        return (err**2).mean(), {}
+
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+        assert isinstance(model, ConfiguredNet), type(model)
+        err = model.residual(batch)
+        return {"mse": ((err**2).sum().double(), err.numel())}
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(model.parameters())}]
