@@ -3,9 +3,11 @@ and ``metrics`` get the user's own module in preflight and training alike."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import torch
 from support.cli import run_cli, torchrun, user_code_env
 from support.runs import load_final_state
 from test_train import TOL, max_abs_diff
@@ -27,3 +29,37 @@ def test_a_loss_that_reads_the_models_attributes_trains_on_two_processes(tmp_pat
     assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
     diff = max_abs_diff(load_final_state(out / "one")["model"], load_final_state(out / "two")["model"])
     assert diff < TOL, diff
+
+
+def _one_sgd_step(tmp_path: Path, name: str, nproc: int, micro: int, counted: bool = True) -> dict[str, torch.Tensor]:
+    """The model after one plain SGD step at LR 1 of the ragged-token task over the global batch of 8: the
+    initial weights minus the step's gradient."""
+    out = tmp_path / "runs"
+    options = json.dumps({"counted": counted})
+    args = ["--task.name", "support.user_tasks:TokenSum", "--task.options", options, *COMMON]
+    args += ["--run.output-dir", str(out), "--run.name", name, "--train.steps", "1", "--train.global-batch-size", "8"]
+    args += ["--train.micro-batch-size", str(micro), "--optim.lr", "1", "--optim.momentum", "0"]
+    args += ["--optim.weight-decay", "0", "--sched.name", "constant"]
+    if nproc == 1:
+        r = run_cli(["train", *args], env=user_code_env(tmp_path))
+    else:
+        r = torchrun(nproc, args, env=user_code_env(tmp_path))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    model: dict[str, torch.Tensor] = load_final_state(out / name)["model"]
+    return model
+
+
+def test_a_summed_loss_is_normalised_by_the_global_count_of_the_step(tmp_path: Path) -> None:
+    """Ragged sequences (2 to 12 tokens): the gradient of the mean over the global batch's tokens, whether the
+    8 items come as one batch in one process, as 4 micro-batches of 2 in one process, or as one micro-batch of 2
+    on each of 4 processes. The mean of per-micro-batch means (the plain accumulation of a mean loss) is not."""
+    whole = _one_sgd_step(tmp_path, "whole", 1, 8)
+    micro = _one_sgd_step(tmp_path, "micro", 1, 2)
+    ranks = _one_sgd_step(tmp_path, "ranks", 4, 2)
+    means = _one_sgd_step(tmp_path, "means", 1, 2, counted=False)
+    # At LR 1 a parameter's change is its gradient: differences of the models are differences of gradients.
+    got = {"1 x 4 micro-steps": max_abs_diff(whole, micro), "4 processes x 1": max_abs_diff(whole, ranks)}
+    bug = max_abs_diff(whole, means)
+    print(f"\nmax |grad diff| vs the whole batch: {got}; mean of micro-batch means: {bug:.3g}")
+    assert all(d < TOL for d in got.values()), got
+    assert bug > 100 * TOL  # the token counts are ragged enough for the weighting to matter

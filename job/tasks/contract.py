@@ -6,8 +6,8 @@ A task is any object with these members (docs/tasks.md is the user's page):
 ``build_model() -> nn.Module``         the model, built the same way on every rank (the job seeds it)
 ``dataset(split) -> map-style``        ``"train"`` / ``"val"``: ``__len__`` and ``__getitem__(index)``
 ``collate(items) -> batch``            optional; default ``torch.utils.data.default_collate``
-``loss(model, batch)``                 the micro-batch's mean loss, a scalar tensor, or ``(loss, {name: t})``;
-                                       ``model`` is the user's own module (job.train wraps ``TrainingStep``)
+``loss(model, batch)``                 the micro-batch's mean loss (a scalar tensor) or ``(sum, count)``, either
+                                       optionally followed by ``{name: t}``; ``model`` is the user's module
 ``metrics(model, batch)``              ``{name: (sum, count)}`` of an eval batch, summed over ranks exactly
 ``param_groups(model)``                optional: torch parameter groups; ``lr_scale`` multiplies the job's LR,
                                        parameters in no group are frozen
@@ -72,6 +72,8 @@ class Bound:
         self.loss_fn: Callable[[nn.Module, Any], Any] = task.loss
         # Resolved once: the step calls it every micro-batch.
         self.transfer: Callable[[Any, torch.device], Any] = getattr(task, "transfer", None) or move
+        self.counted: bool | None = None
+        """Whether ``loss`` returns ``(sum, count)`` (True) or a mean (False); None until its first call."""
 
     @staticmethod
     def _error_for(name: str, what: str, fix: str) -> UserCodeError:
@@ -95,16 +97,21 @@ class Bound:
     def dataset(self, split: str) -> Any:
         return self.task.dataset(split)
 
-    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss, extras): the task's value split into the mean loss and the named values to log."""
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        """(loss, count, extras): the task's value split into the loss (a mean, or a sum when ``count`` is not
+        None), the count of what the sum adds up, and the named values to log."""
         out = self.loss_fn(model, batch)
-        extras: Mapping[str, Any] = {}
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
-            out, extras = out
-        if not (isinstance(out, torch.Tensor) and out.ndim == 0 and out.is_floating_point()):
+        loss, count, extras = _split_loss(out)
+        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
             raise self.error(
-                f"loss(model, batch) returned {describe(out)}, not a scalar float tensor.",
-                "return the micro-batch's mean loss (e.g. F.cross_entropy(...)), or (loss, {name: tensor}).",
+                f"loss(model, batch) returned {describe(loss)}, not a scalar float tensor.",
+                "return the micro-batch's mean loss (e.g. F.cross_entropy(...)), (loss_sum, count), or either "
+                "followed by {name: tensor}.",
+            )
+        if count is not None and not _is_scalar(count):
+            raise self.error(
+                f"loss(model, batch) returned the count {describe(count)}, not a scalar.",
+                "return (loss_sum, count) with count a scalar tensor or number, e.g. (nll_sum, mask.sum()).",
             )
         bad = [k for k, v in extras.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor) and v.ndim == 0)]
         if bad:
@@ -112,7 +119,21 @@ class Bound:
                 f"loss(model, batch) returned extra values {bad} that are not named scalar tensors.",
                 "return (loss, {name: scalar tensor}) with str names, e.g. (loss, {'accuracy': acc}).",
             )
-        return out, dict(extras)
+        self._check_kind(count is not None)
+        if count is not None:
+            count = torch.as_tensor(count, dtype=torch.float32, device=loss.device)
+        return loss, count, dict(extras)
+
+    def _check_kind(self, counted: bool) -> None:
+        """The first loss (preflight's) fixes the kind; every rank runs the same preflight, so all agree."""
+        if self.counted is None:
+            self.counted = counted
+        elif self.counted != counted:
+            kinds = {True: "(loss_sum, count)", False: "a mean loss"}
+            raise self.error(
+                f"loss(model, batch) returned {kinds[counted]} after {kinds[self.counted]} on an earlier batch.",
+                "return one kind of loss for every batch: the job normalises a step's gradients by it.",
+            )
 
     def metrics(self, model: nn.Module, batch: Any) -> dict[str, tuple[Any, Any]]:
         """The eval batch's ``{name: (sum, count)}``, checked to be that."""
@@ -147,6 +168,20 @@ class Bound:
         return {str(k): float(v) for k, v in self.task.summarize(dict(values)).items()}
 
 
+def _split_loss(out: Any) -> tuple[Any, Any, Mapping[str, Any]]:
+    """(loss, count or None, extras) of ``loss``'s return: ``loss``, ``(loss, extras)``, ``(sum, count)`` or
+    ``(sum, count, extras)``."""
+    if not isinstance(out, tuple):
+        return out, None, {}
+    if len(out) == 2 and isinstance(out[1], Mapping):
+        return out[0], None, out[1]
+    if len(out) == 2:
+        return out[0], out[1], {}
+    if len(out) == 3 and isinstance(out[2], Mapping):
+        return out[0], out[1], out[2]
+    return out, None, {}
+
+
 def _is_pair(value: Any) -> bool:
     if not (isinstance(value, tuple) and len(value) == 2):
         return False
@@ -157,6 +192,10 @@ def _is_scalar(v: Any) -> bool:
     if isinstance(v, torch.Tensor):
         return v.ndim == 0
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+LossOutput = tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]
+"""(loss, count, extras): a mean loss with count None, or a sum with the float count of what it adds up."""
 
 
 class TrainingStep(nn.Module):
@@ -173,7 +212,7 @@ class TrainingStep(nn.Module):
         self.model = model
         self.task = task  # not a module: holds no parameters
 
-    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, batch: Any) -> LossOutput:
         return self.task.loss(self.model, batch)
 
 

@@ -97,7 +97,7 @@ def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:
     model.train()
     with torch.no_grad():
         try:
-            loss, _ = task.loss(model, batch)
+            loss, _, _ = task.loss(model, batch)
         except Exception as e:
             if isinstance(e, JobError):  # already one of the job's errors, naming its setting
                 raise

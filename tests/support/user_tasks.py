@@ -154,3 +154,62 @@ class ReadsModel(Regression):
 
     def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
         return [{"params": list(model.parameters())}]
+
+
+class Sentences(Dataset):
+    """``n`` token sequences of ragged lengths (2 to 12 tokens), fixed by the index."""
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        i = index + self.offset
+        length = 2 + (i * 7) % 11
+        return torch.tensor([(i * 3 + 5 * j) % 16 for j in range(length)])
+
+
+def pad(items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inputs padded with 0 and next-token targets padded with -100 (ignored)."""
+    width = max(len(t) for t in items) - 1
+    x = torch.zeros(len(items), width, dtype=torch.long)
+    y = torch.full((len(items), width), -100, dtype=torch.long)
+    for row, t in enumerate(items):
+        x[row, : len(t) - 1], y[row, : len(t) - 1] = t[:-1], t[1:]
+    return {"x": x, "y": y}
+
+
+class TokenSum:
+    """Next-token loss over ragged sequences, as ``(sum, count)`` of the real tokens (``counted``), or as each
+    micro-batch's mean over its tokens (the accumulation that weighs a short micro-batch's tokens more)."""
+
+    def __init__(self, counted: bool = True) -> None:
+        self.counted = counted
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Embedding(16, 8), nn.Tanh(), nn.Linear(8, 16))
+
+    def dataset(self, split: str) -> Dataset:
+        if split == "train":
+            return Sentences(32)
+        return Sentences(8, offset=100)
+
+    def collate(self, items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return pad(items)
+
+    def _nll(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(batch["x"]).flatten(0, 1)
+        targets = batch["y"].flatten()
+        return nn.functional.cross_entropy(logits, targets, reduction="sum"), (targets != -100).sum()
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        nll, n = self._nll(model, batch)
+        if self.counted:
+            return nll, n
+        return nll / n
+
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+        nll, n = self._nll(model, batch)
+        return {"loss": (nll.double(), n)}
