@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
 from support.cli import run_cli, torchrun, user_code_env
-from support.runs import load_final_state
+from support.runs import assert_same_end, load_final_state
 from test_train import TOL, max_abs_diff
 
 COMMON = ["--log.progress", "off", "--doctor.enabled", "false", "--data.num-workers", "0", "--log.tensorboard", "false"]
@@ -63,3 +64,20 @@ def test_a_summed_loss_is_normalised_by_the_global_count_of_the_step(tmp_path: P
     print(f"\nmax |grad diff| vs the whole batch: {got}; mean of micro-batch means: {bug:.3g}")
     assert all(d < TOL for d in got.values()), got
     assert bug > 100 * TOL  # the token counts are ragged enough for the weighting to matter
+
+
+def test_a_random_collate_resumes_bitwise_mid_epoch(tmp_path: Path) -> None:
+    """The collate draws noise in 2 DataLoader workers, whose streams restart with every iter(): a run resumed
+    from its step-3 checkpoint (mid-epoch: 16 steps an epoch) ends bitwise where the uninterrupted run does."""
+    out = tmp_path / "runs"
+    args = ["--task.name", "support.user_tasks:NoisyCollate", "--task.options", '{"n_train": 64}', *COMMON]
+    args += ["--run.output-dir", str(out), "--train.steps", "6", "--train.global-batch-size", "4"]
+    args += ["--ckpt.every", "3", "--data.num-workers", "2"]
+    ref = run_cli(["train", *args, "--run.name", "ref"], env=user_code_env(tmp_path))
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
+    shutil.copytree(out / "ref", out / "chain", ignore=shutil.ignore_patterns("step-*6", "tb"))
+    assert sorted(p.name for p in (out / "chain").glob("step-*")) == ["step-0000003"]
+    chain = run_cli(["train", *args, "--run.name", "chain"], env=user_code_env(tmp_path))
+    assert chain.returncode == 0, (chain.stdout + chain.stderr)[-3000:]
+    assert "resumed from" in chain.stdout + chain.stderr
+    assert_same_end(out / "ref", ref.stdout, out / "chain", chain.stdout)

@@ -213,3 +213,12 @@ class TokenSum:
     def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
         nll, n = self._nll(model, batch)
         return {"loss": (nll.double(), n)}
+
+
+class NoisyCollate(Regression):
+    """A collate that draws: noise on the inputs of each batch (as masking or mixup would)."""
+
+    def collate(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch: dict[str, torch.Tensor] = torch.utils.data.default_collate(items)
+        batch["x"] = batch["x"] + 0.1 * torch.randn(batch["x"].shape)
+        return batch
