@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from support.cli import run_cli, torchrun, user_code_env
-from support.runs import assert_same_end, load_final_state
+from support.runs import assert_bitwise_equal, assert_same_end, load_final_state
 from test_train import TOL, max_abs_diff
 
 COMMON = ["--log.progress", "off", "--doctor.enabled", "false", "--data.num-workers", "0", "--log.tensorboard", "false"]
@@ -66,13 +66,12 @@ def test_a_summed_loss_is_normalised_by_the_global_count_of_the_step(tmp_path: P
     assert bug > 100 * TOL  # the token counts are ragged enough for the weighting to matter
 
 
-def test_a_random_collate_resumes_bitwise_mid_epoch(tmp_path: Path) -> None:
-    """The collate draws noise in 2 DataLoader workers, whose streams restart with every iter(): a run resumed
-    from its step-3 checkpoint (mid-epoch: 16 steps an epoch) ends bitwise where the uninterrupted run does."""
+def _resumed_at_step_3(tmp_path: Path, task: str, *extra: str) -> tuple[Path, str, str]:
+    """(runs, ref's stdout, chain's stdout): ``task`` trained 6 steps ("ref"), and again from ref's step-3
+    checkpoint ("chain": mid-epoch, 16 steps an epoch)."""
     out = tmp_path / "runs"
-    args = ["--task.name", "support.user_tasks:NoisyCollate", "--task.options", '{"n_train": 64}', *COMMON]
-    args += ["--run.output-dir", str(out), "--train.steps", "6", "--train.global-batch-size", "4"]
-    args += ["--ckpt.every", "3", "--data.num-workers", "2"]
+    args = ["--task.name", task, "--task.options", '{"n_train": 64}', *COMMON, "--run.output-dir", str(out)]
+    args += ["--train.steps", "6", "--train.global-batch-size", "4", "--ckpt.every", "3", *extra]
     ref = run_cli(["train", *args, "--run.name", "ref"], env=user_code_env(tmp_path))
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
     shutil.copytree(out / "ref", out / "chain", ignore=shutil.ignore_patterns("step-*6", "tb"))
@@ -80,4 +79,22 @@ def test_a_random_collate_resumes_bitwise_mid_epoch(tmp_path: Path) -> None:
     chain = run_cli(["train", *args, "--run.name", "chain"], env=user_code_env(tmp_path))
     assert chain.returncode == 0, (chain.stdout + chain.stderr)[-3000:]
     assert "resumed from" in chain.stdout + chain.stderr
-    assert_same_end(out / "ref", ref.stdout, out / "chain", chain.stdout)
+    return out, ref.stdout, chain.stdout
+
+
+def test_a_random_collate_resumes_bitwise_mid_epoch(tmp_path: Path) -> None:
+    """The collate draws noise in 2 DataLoader workers, whose streams restart with every iter(): a run resumed
+    from its step-3 checkpoint ends bitwise where the uninterrupted run does."""
+    out, ref, chain = _resumed_at_step_3(tmp_path, "support.user_tasks:NoisyCollate", "--data.num-workers", "2")
+    assert_same_end(out / "ref", ref, out / "chain", chain)
+
+
+def test_the_tasks_own_state_is_checkpointed_and_its_loss_sees_the_step(tmp_path: Path) -> None:
+    """The task counts its loss calls and weighs its loss by that count and by the step it was told: saved in
+    every checkpoint and restored on resume, so the resumed run ends bitwise where the uninterrupted one does."""
+    out, ref, chain = _resumed_at_step_3(tmp_path, "support.user_tasks:Curriculum")
+    assert_same_end(out / "ref", ref, out / "chain", chain)
+    saved = [load_final_state(out / name)["task"] for name in ("ref", "chain")]
+    assert_bitwise_equal(saved[0], saved[1], "task")
+    assert saved[0]["step"] == 6 and saved[0]["epoch"] == 0
+    assert saved[0]["calls"] > 6  # preflight's and DDP's start-up calls count too

@@ -13,6 +13,8 @@ A task is any object with these members (docs/tasks.md is the user's page):
                                        parameters in no group are frozen
 ``flops_per_item() -> float``          optional: training FLOPs per item (forward + backward), for MFU
 ``summarize(values) -> {name: v}``     optional: derived validation values, e.g. perplexity = exp(loss)
+``before_step(step, epoch)``           optional: called before each optimizer step (what ``loss`` may read)
+``state_dict()``, ``load_state_dict``  optional: the task's own state, in every checkpoint (``"task"``)
 =====================================  =================================================================
 
 The job owns everything else: the sampler (the only source of item order), the seeding of the item-reading
@@ -151,6 +153,15 @@ class Bound:
                     "shards of different sizes do not add up to the mean of the whole set.",
                 )
         return dict(out)
+
+    def before_step(self, step: int, epoch: int) -> None:
+        """Tell the task which optimizer step (1-based) of which epoch its next ``loss`` calls belong to."""
+        if self.has("before_step"):
+            self.task.before_step(step, epoch)
+
+    def stateful(self) -> bool:
+        """Whether the task keeps state of its own to checkpoint (``state_dict`` and ``load_state_dict``)."""
+        return self.has("state_dict") and self.has("load_state_dict")
 
     def param_groups(self, model: nn.Module) -> list[dict[str, Any]] | None:
         if not self.has("param_groups"):

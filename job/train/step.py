@@ -68,6 +68,7 @@ def train_step(
     step folds the count into ``state`` and enforces ``train.max_nonfinite_skips`` (job.train.guard).
     """
     where = where or _Nowhere()
+    parts.task.before_step(state.step + 1, state.epoch)
     parts.model.train()
     step_loss = torch.zeros((), device=parts.device)
     count = torch.zeros((), device=parts.device)

@@ -222,3 +222,28 @@ class NoisyCollate(Regression):
         batch: dict[str, torch.Tensor] = torch.utils.data.default_collate(items)
         batch["x"] = batch["x"] + 0.1 * torch.randn(batch["x"].shape)
         return batch
+
+
+class Curriculum(Regression):
+    """State of its own, checkpointed: a count of its loss calls, and the step and epoch the job announced,
+    all of which weigh the loss."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.calls = torch.zeros(())
+        self.step, self.epoch = 0, -1
+
+    def before_step(self, step: int, epoch: int) -> None:
+        self.step, self.epoch = step, epoch
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self.calls += 1
+        mse, extras = super().loss(model, batch)
+        return mse * (1.0 + 0.01 * self.calls + 0.1 * self.step), extras
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls.clone(), "step": self.step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = state["calls"].clone()
+        self.step, self.epoch = state["step"], state["epoch"]
