@@ -98,3 +98,33 @@ def test_the_tasks_own_state_is_checkpointed_and_its_loss_sees_the_step(tmp_path
     assert_bitwise_equal(saved[0], saved[1], "task")
     assert saved[0]["step"] == 6 and saved[0]["epoch"] == 0
     assert saved[0]["calls"] > 6  # preflight's and DDP's start-up calls count too
+
+
+def test_frozen_modules_keep_their_batchnorm_statistics(tmp_path: Path) -> None:
+    """The backbone is in no parameter group (frozen) and in ``frozen_modules``: 2 training steps change the head
+    and leave every backbone tensor, BatchNorm's running statistics and counter included, as it was."""
+    from job.cluster.env import detect_env
+    from job.config import load_config
+    from job.config.plan import make_plan
+    from job.parallel import distributed
+    from job.train.parts import build_parts
+    from job.train.step import TrainState, train_step
+
+    args = ["--task.name", "support.user_tasks:FrozenBackbone", "--run.output-dir", str(tmp_path), *COMMON]
+    cfg = load_config([*args, "--train.global-batch-size", "8"], {})
+    env = detect_env({})
+    plan = make_plan(cfg, 1)
+    rt = distributed.setup(env, cfg.dist)
+    try:
+        parts = build_parts(cfg, env, plan, rt)
+        before = {k: v.clone() for k, v in parts.raw_model.state_dict().items()}
+        state = TrainState()
+        batches = parts.loaders.batches(state)
+        for _ in range(2):
+            train_step(parts, batches, plan, state, cfg.train)
+    finally:
+        distributed.teardown()
+    after = parts.raw_model.state_dict()
+    assert {k for k in before if k.startswith("0.1.running")} == {"0.1.running_mean", "0.1.running_var"}
+    for key in before:
+        assert torch.equal(before[key], after[key]) == key.startswith("0."), key

@@ -15,6 +15,7 @@ A task is any object with these members (docs/tasks.md is the user's page):
 ``summarize(values) -> {name: v}``     optional: derived validation values, e.g. perplexity = exp(loss)
 ``before_step(step, epoch)``           optional: called before each optimizer step (what ``loss`` may read)
 ``state_dict()``, ``load_state_dict``  optional: the task's own state, in every checkpoint (``"task"``)
+``frozen_modules(model) -> [module]``  optional: modules kept in eval mode while training (frozen BatchNorm)
 =====================================  =================================================================
 
 The job owns everything else: the sampler (the only source of item order), the seeding of the item-reading
@@ -159,6 +160,21 @@ class Bound:
         if self.has("before_step"):
             self.task.before_step(step, epoch)
 
+    def frozen_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The task's modules kept in eval mode while training (``frozen_modules(model)``), checked to be
+        submodules of ``model``."""
+        if not self.has("frozen_modules"):
+            return []
+        modules = list(self.task.frozen_modules(model))
+        own = {id(m) for m in model.modules()}
+        bad = [describe(m) for m in modules if not (isinstance(m, nn.Module) and id(m) in own)]
+        if bad:
+            raise self.error(
+                f"frozen_modules(model) returned {', '.join(bad)}, not submodules of the model.",
+                "return modules of the model itself, e.g. [model.backbone].",
+            )
+        return modules
+
     def stateful(self) -> bool:
         """Whether the task keeps state of its own to checkpoint (``state_dict`` and ``load_state_dict``)."""
         return self.has("state_dict") and self.has("load_state_dict")
@@ -222,6 +238,15 @@ class TrainingStep(nn.Module):
         super().__init__()
         self.model = model
         self.task = task  # not a module: holds no parameters
+        self.frozen = task.frozen_modules(model)
+
+    def train(self, mode: bool = True) -> TrainingStep:
+        """The model in ``mode``, except the task's frozen modules, which stay in eval mode (a frozen backbone's
+        BatchNorm keeps its running statistics, its dropout stays off)."""
+        super().train(mode)
+        for module in self.frozen:
+            module.eval()
+        return self
 
     def forward(self, batch: Any) -> LossOutput:
         return self.task.loss(self.model, batch)

@@ -247,3 +247,17 @@ class Curriculum(Regression):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.calls = state["calls"].clone()
         self.step, self.epoch = state["step"], state["epoch"]
+
+
+class FrozenBackbone(Regression):
+    """A frozen backbone with BatchNorm (in no parameter group, kept in eval mode) under a trained head."""
+
+    def build_model(self) -> nn.Module:
+        backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh())
+        return nn.Sequential(backbone, nn.Linear(8, 1))
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(model[1].parameters())}]
+
+    def frozen_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model[0]]
