@@ -128,3 +128,30 @@ def test_frozen_modules_keep_their_batchnorm_statistics(tmp_path: Path) -> None:
     assert {k for k in before if k.startswith("0.1.running")} == {"0.1.running_mean", "0.1.running_var"}
     for key in before:
         assert torch.equal(before[key], after[key]) == key.startswith("0."), key
+
+
+def test_every_member_the_job_asks_of_a_users_task_is_in_the_documented_table() -> None:
+    """docs/tasks.md's contract table has a row for each member a user's task may have, and none for the
+    members only the built-in tasks are asked for."""
+    from job.tasks.contract import BUILTIN, OPTIONAL, REQUIRED
+
+    doc = (Path(__file__).parents[1] / "docs" / "tasks.md").read_text()
+    rows = "\n".join(line for line in doc.splitlines() if line.startswith("| `"))
+    assert [m for m in REQUIRED + OPTIONAL if f"`{m}(" not in rows] == []
+    assert [m for m in BUILTIN if f"`{m}(" in rows] == []
+
+
+def test_a_users_task_is_not_asked_for_the_builtin_tasks_members(tmp_path: Path) -> None:
+    """A user's task with methods named prepare, loaders and example_batch trains with the job's own data path."""
+    out = tmp_path / "runs"
+    args = ["--task.name", "support.user_tasks:NamesBuiltinMembers", "--run.output-dir", str(out), *COMMON]
+    r = run_cli(["train", *args, "--train.global-batch-size", "8", "--train.steps", "1"], env=user_code_env(tmp_path))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+
+def test_generic_code_reads_no_image_setting() -> None:
+    """channels_last and the image probe of DDP's start-up passes are the image task's (job.tasks.image)."""
+    root = Path(__file__).parents[1] / "job"
+    for path in (root / "train" / "parts.py", root / "parallel" / "ddp.py"):
+        text = path.read_text()
+        assert "channels_last" not in text and "image_size" not in text, path

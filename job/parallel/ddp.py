@@ -196,12 +196,11 @@ def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
     return default_hooks.allreduce_hook, None
 
 
-def wrap_model(
-    raw_model: nn.Module, cfg: JobConfig, rt: Any, settle: Callable[[nn.Module], torch.Tensor] | None = None
-) -> nn.Module:
+def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any, settle: Callable[[nn.Module], torch.Tensor]) -> nn.Module:
     """The training wrapper around ``raw_model`` (already on ``rt.device``): DDP with the configured knobs and
     comm hook, or the DataParallel baseline. Also applies the TF32 switch (a process-wide setting). ``settle``:
-    a training pass for ``settle_buckets`` (default: an image classifier's, ``image_probe``)."""
+    a training pass for ``settle_buckets`` (the task's loss on the preflight batch; an image classifier's on
+    zero images is job.tasks.image.model.image_probe)."""
     if rt.device.type == "cuda":
         apply_tf32(cfg.train.tf32)
     if cfg.train.strategy == "dp":
@@ -218,8 +217,6 @@ def wrap_model(
     )
     # Before the hook, so PowerSGD's iteration count and the counter see real steps only (DDP takes a hook
     # between iterations).
-    if settle is None:
-        settle = image_probe(cfg.data.image_size, rt.device)
     settle_buckets(model, settle)
     hook, state = _hook(d)
     if d.comm_stats:
@@ -231,17 +228,6 @@ def wrap_model(
     if isinstance(state, powerSGD_hook.PowerSGDState):
         _POWERSGD_RESETS[model] = PowerSgdReset(state)
     return model
-
-
-def image_probe(image_size: int, device: torch.device) -> Callable[[nn.Module], torch.Tensor]:
-    """A training pass of an image classifier for ``settle_buckets``: the sum of its logits on 2 zero images."""
-    images = torch.zeros(2, 3, image_size, image_size, device=device)  # 2: BatchNorm needs > 1 value per channel
-
-    def probe(model: nn.Module) -> torch.Tensor:
-        out: torch.Tensor = model(images).sum()
-        return out
-
-    return probe
 
 
 def settle_buckets(model: DDP, probe: Callable[[nn.Module], torch.Tensor]) -> None:

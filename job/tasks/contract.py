@@ -16,6 +16,8 @@ A task is any object with these members (docs/tasks.md is the user's page):
 ``before_step(step, epoch)``           optional: called before each optimizer step (what ``loss`` may read)
 ``state_dict()``, ``load_state_dict``  optional: the task's own state, in every checkpoint (``"task"``)
 ``frozen_modules(model) -> [module]``  optional: modules kept in eval mode while training (frozen BatchNorm)
+``transfer(batch, device) -> batch``   optional: the batch on the device; default: every tensor copied there
+``describe_data() -> str``             optional: one line on the data, for the doctor
 =====================================  =================================================================
 
 The job owns everything else: the sampler (the only source of item order), the seeding of the item-reading
@@ -37,7 +39,22 @@ from job.data.items import move
 from job.errors import UserCodeError
 
 REQUIRED = ("build_model", "dataset", "loss", "metrics")
-OPTIONAL = ("collate", "param_groups", "flops_per_item", "summarize")
+OPTIONAL = (
+    "collate",
+    "param_groups",
+    "flops_per_item",
+    "summarize",
+    "before_step",
+    "state_dict",
+    "load_state_dict",
+    "frozen_modules",
+    "transfer",
+    "describe_data",
+)
+"""The members a user's task may have beyond the required ones: each is in docs/tasks.md's table."""
+BUILTIN = ("prepare", "initial_weights", "load_pending_weights", "check_built", "example_batch", "loaders")
+"""Members the job asks of its own tasks only (``BuiltinTask``): the image task's data pipeline and weights.
+A user's task with a method of one of these names is not asked for it."""
 SPLITS = ("train", "val")
 DOC = "docs/tasks.md"
 
@@ -53,6 +70,10 @@ class Task(Protocol):
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | tuple[torch.Tensor, Mapping[str, torch.Tensor]]: ...
 
     def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, tuple[Any, Any]]: ...
+
+
+class BuiltinTask:
+    """The base of the job's own tasks, the only ones asked for the ``BUILTIN`` members."""
 
 
 class Bound:
@@ -74,7 +95,9 @@ class Bound:
         self.collate: Callable[[list[Any]], Any] = getattr(task, "collate", None) or default_collate
         self.loss_fn: Callable[[nn.Module, Any], Any] = task.loss
         # Resolved once: the step calls it every micro-batch.
-        self.transfer: Callable[[Any, torch.device], Any] = getattr(task, "transfer", None) or move
+        self.transfer: Callable[[Any, torch.device], Any] = move
+        if self.has("transfer"):
+            self.transfer = task.transfer
         self.counted: bool | None = None
         """Whether ``loss`` returns ``(sum, count)`` (True) or a mean (False); None until its first call."""
 
@@ -86,6 +109,11 @@ class Bound:
         return self._error_for(self.name, what, fix)
 
     def has(self, member: str) -> bool:
+        """Whether the task has ``member``: one of the contract's, or of ``BUILTIN`` on a built-in task."""
+        if member in BUILTIN:
+            return isinstance(self.task, BuiltinTask) and callable(getattr(self.task, member, None))
+        if member not in REQUIRED + OPTIONAL:
+            raise ValueError(f"{member!r} is no member of the task contract: add it to OPTIONAL and {DOC}")
         return callable(getattr(self.task, member, None))
 
     def build_model(self) -> nn.Module:

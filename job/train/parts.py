@@ -19,7 +19,6 @@ from job.config import JobConfig
 from job.config.plan import Plan
 from job.data.items import task_loaders
 from job.data.loaders import Loaders
-from job.data.prefetch import wrap_loaders
 from job.parallel import ddp, distributed
 from job.tasks.contract import Bound, TrainingStep
 from job.tasks.load import load_task
@@ -112,7 +111,7 @@ def _loaders(cfg: JobConfig, env: DistEnv, plan: Plan, device: torch.device, tas
     micro, accum, seed = plan.micro_batch_size, plan.grad_accum_steps, cfg.run.seed
     if task.has("loaders"):
         loaders = task.task.loaders(env.rank, env.world_size, micro, seed, device, accum)
-        return cast(Loaders, wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last))
+        return cast(Loaders, loaders)
     sets = checked.datasets
     return task_loaders(cfg.data, sets, task.collate, task.error, env.rank, env.world_size, micro, seed, device, accum)
 

@@ -261,3 +261,16 @@ class FrozenBackbone(Regression):
 
     def frozen_modules(self, model: nn.Module) -> list[nn.Module]:
         return [model[0]]
+
+
+class NamesBuiltinMembers(Regression):
+    """Methods named like the built-in tasks' own members, which the job does not ask of a user's task."""
+
+    def prepare(self, *args: Any) -> None:
+        raise AssertionError("prepare is the built-in tasks' own")
+
+    def loaders(self, *args: Any) -> Any:
+        raise AssertionError("loaders is the built-in tasks' own")
+
+    def example_batch(self, n: int) -> Any:
+        raise AssertionError("example_batch is the built-in tasks' own")
