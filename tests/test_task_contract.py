@@ -155,3 +155,16 @@ def test_generic_code_reads_no_image_setting() -> None:
     for path in (root / "train" / "parts.py", root / "parallel" / "ddp.py"):
         text = path.read_text()
         assert "channels_last" not in text and "image_size" not in text, path
+
+
+def test_items_that_stop_collating_after_the_first_two_exit_2_writing_nothing(tmp_path: Path) -> None:
+    """Items 0 and 1 collate, later ones are wider: preflight collates items spread over each split, so the run
+    exits 2 before the run directory (config.yaml, doctor.json, tb/) exists."""
+    out = tmp_path / "runs"
+    args = ["--task.name", "support.user_tasks:LaterItemsDoNotCollate", "--run.output-dir", str(out), *COMMON]
+    r = run_cli(
+        ["train", *args, "--train.global-batch-size", "8", "--doctor.enabled", "true"], env=user_code_env(tmp_path)
+    )
+    assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
+    assert "do not collate" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()

@@ -274,3 +274,19 @@ class NamesBuiltinMembers(Regression):
 
     def example_batch(self, n: int) -> Any:
         raise AssertionError("example_batch is the built-in tasks' own")
+
+
+class Widening(Dataset):
+    """Items whose width grows after the first 8: the first two (preflight's batch) still collate."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        width = 4 + int(index >= 8)
+        return {"x": torch.zeros(width), "y": torch.zeros(1)}
+
+
+class LaterItemsDoNotCollate(Regression):
+    def dataset(self, split: str) -> Dataset:
+        return Widening()
