@@ -168,3 +168,27 @@ def test_items_that_stop_collating_after_the_first_two_exit_2_writing_nothing(tm
     assert r.returncode == 2, (r.stdout + r.stderr)[-3000:]
     assert "do not collate" in r.stderr, r.stderr[-2000:]
     assert not out.exists()
+
+
+def test_the_docs_show_commands_as_they_run_after_setup() -> None:
+    """Every command shown in README.md and docs/ (a code line or a table cell of three words or more, not a usage
+    line with [options]) runs the venv's ddp-job, never plain torchrun (which exits 1 for bad input and
+    preemption). Exempt: the image's and the pods' pages (ddp-job is on their PATH) and the benchmarks' records of
+    what ran."""
+    root = Path(__file__).parents[1]
+    command = re.compile(r"(?:^|`)[ \t]*(?:\$ )?(?:[A-Z_]+=\S+ )*((?:[\w.-]+/)*(?:ddp-job|torchrun)) ([^`\n]*)", re.M)
+    exempt = {"docker.md", "kubernetes.md", "benchmarks.md"}
+    wrong = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        if path.name in exempt:
+            continue
+        text = path.read_text()
+        for m in command.finditer(text):
+            before = text[: m.start()]
+            continued = before.rstrip("\n `").endswith("\\")  # a line of a longer command (srun ... \)
+            prose = before.endswith(("Plain ", "plain "))  # a sentence about torchrun
+            if len(m[2].split()) < 2 or "[" in m[2] or continued or prose:
+                continue
+            if m[1] != ".venv/bin/ddp-job":
+                wrong.append(f"{path.name}: {m[0].strip()[:80]}")
+    assert wrong == [], "\n".join(wrong)
