@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from support.cli import run_cli, torchrun, user_code_env
@@ -100,9 +101,9 @@ def test_the_tasks_own_state_is_checkpointed_and_its_loss_sees_the_step(tmp_path
     assert saved[0]["calls"] > 6  # preflight's and DDP's start-up calls count too
 
 
-def test_frozen_modules_keep_their_batchnorm_statistics(tmp_path: Path) -> None:
-    """The backbone is in no parameter group (frozen) and in ``frozen_modules``: 2 training steps change the head
-    and leave every backbone tensor, BatchNorm's running statistics and counter included, as it was."""
+def _in_process_steps(tmp_path: Path, task: str, steps: int) -> Any:
+    """The run's parts after ``steps`` training steps of ``task`` in this process (1 rank, batch 8), and the
+    model's state before them."""
     from job.cluster.env import detect_env
     from job.config import load_config
     from job.config.plan import make_plan
@@ -110,24 +111,39 @@ def test_frozen_modules_keep_their_batchnorm_statistics(tmp_path: Path) -> None:
     from job.train.parts import build_parts
     from job.train.step import TrainState, train_step
 
-    args = ["--task.name", "support.user_tasks:FrozenBackbone", "--run.output-dir", str(tmp_path), *COMMON]
+    args = ["--task.name", task, "--run.output-dir", str(tmp_path), *COMMON]
     cfg = load_config([*args, "--train.global-batch-size", "8"], {})
     env = detect_env({})
     plan = make_plan(cfg, 1)
     rt = distributed.setup(env, cfg.dist)
+    seen = []
     try:
         parts = build_parts(cfg, env, plan, rt)
         before = {k: v.clone() for k, v in parts.raw_model.state_dict().items()}
         state = TrainState()
         batches = parts.loaders.batches(state)
-        for _ in range(2):
+        for _ in range(steps):
             train_step(parts, batches, plan, state, cfg.train)
+            seen.append(getattr(parts.task.task, "epoch", None))
     finally:
         distributed.teardown()
+    return parts, before, seen
+
+
+def test_frozen_modules_keep_their_batchnorm_statistics(tmp_path: Path) -> None:
+    """The backbone is in no parameter group (frozen) and in ``frozen_modules``: 2 training steps change the head
+    and leave every backbone tensor, BatchNorm's running statistics and counter included, as it was."""
+    parts, before, _ = _in_process_steps(tmp_path, "support.user_tasks:FrozenBackbone", 2)
     after = parts.raw_model.state_dict()
     assert {k for k in before if k.startswith("0.1.running")} == {"0.1.running_mean", "0.1.running_var"}
     for key in before:
         assert torch.equal(before[key], after[key]) == key.startswith("0."), key
+
+
+def test_before_step_names_the_epoch_the_steps_batches_come_from(tmp_path: Path) -> None:
+    """64 items, 8 a step: steps 1-8 are epoch 0, step 9 the first of epoch 1 (told before its first batch)."""
+    _, _, epochs = _in_process_steps(tmp_path, "support.user_tasks:Curriculum", 9)
+    assert epochs == [0] * 8 + [1]
 
 
 def test_every_member_the_job_asks_of_a_users_task_is_in_the_documented_table() -> None:

@@ -68,7 +68,7 @@ def train_step(
     step folds the count into ``state`` and enforces ``train.max_nonfinite_skips`` (job.train.guard).
     """
     where = where or _Nowhere()
-    parts.task.before_step(state.step + 1, state.epoch)
+    parts.task.before_step(state.step + 1, _epoch_of_next_step(parts, state))
     parts.model.train()
     step_loss = torch.zeros((), device=parts.device)
     count = torch.zeros((), device=parts.device)
@@ -105,6 +105,14 @@ def train_step(
     if parts.ema is not None:
         parts.ema.update(parts.raw_model, state.step)
     return StepOutput(step_loss, grad_norm, found_inf == 0, data_wait, extras)
+
+
+def _epoch_of_next_step(parts: Parts, state: TrainState) -> int:
+    """The epoch the next step's micro-batches come from: ``state.epoch`` advances only when the first batch
+    of the next epoch is drawn, and a step never straddles two epochs (job.data.sampler)."""
+    if state.micro_batches_in_epoch >= parts.loaders.batches_per_epoch:
+        return state.epoch + 1
+    return state.epoch
 
 
 def _per_item(count: torch.Tensor) -> torch.Tensor:
