@@ -191,7 +191,7 @@ def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
     from job.config import load_config
     from job.parallel import ddp as parallel
     from job.parallel.distributed import Runtime
-    from job.tasks.image.model import build_model
+    from job.tasks.image.model import build_model, image_probe
 
     cfg = load_config(
         [
@@ -212,7 +212,8 @@ def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
         raw = build_model(cfg.model, cfg.data.num_classes)
         before = {k: v.clone() for k, v in raw.state_dict().items()}
         rng = torch.get_rng_state()
-        model = parallel.wrap_model(raw, cfg, Runtime(torch.device("cpu"), "gloo", None))
+        probe = image_probe(cfg.data.image_size, torch.device("cpu"))
+        model = parallel.wrap_model(raw, cfg, Runtime(torch.device("cpu"), "gloo", None), probe)
         assert model._has_rebuilt_buckets
         assert torch.equal(torch.get_rng_state(), rng)
         assert raw.training and all(p.grad is None for p in raw.parameters())

@@ -31,7 +31,7 @@ from job.data.loaders import to_device
 from job.data.prefetch import DevicePrefetcher
 from job.parallel import ddp as parallel
 from job.parallel.distributed import Runtime
-from job.tasks.image.model import build_model
+from job.tasks.image.model import build_model, image_probe
 from job.train.optim import build_optimizer
 
 
@@ -81,7 +81,7 @@ def run_row(row: dict[str, Any], args: argparse.Namespace, rt: Runtime) -> dict[
         parallel.apply_tf32(cfg.train.tf32)
         model: nn.Module = raw
     else:
-        model = parallel.wrap_model(raw, cfg, rt)
+        model = parallel.wrap_model(raw, cfg, rt, image_probe(cfg.data.image_size, rt.device))
     train_model = torch.compile(model) if row["compile"] else model
     opt = build_optimizer(raw, cfg.optim, cfg.optim.lr, rt.device)
     cuda = rt.device.type == "cuda"

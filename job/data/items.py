@@ -4,7 +4,9 @@ The sampler yields ``(epoch, index)`` pairs. Before item ``index`` of ``epoch`` 
 may draw from (torch's CPU generator, Python's ``random``, NumPy's global generator) are seeded from
 ``(run.seed, epoch, index)`` and restored afterwards, exactly as the image sources seed their augmentation
 (job.data.images). A random crop, mask or noise in a task's ``__getitem__`` is therefore the same draw
-whatever ``num_workers``, prefetching or a resume in between: exact resume holds for any task.
+whatever ``num_workers``, prefetching or a resume in between: exact resume holds for any task. The task's
+``collate`` runs seeded the same way, from ``(run.seed, epoch, index of the batch's first item)``
+(job.data.sampler.collate_seed): masking, mixup or per-batch crops there resume exactly too.
 
 Errors of the user's code reach the trainer as data (``WorkerFailure``), like the image sources' errors, so a
 DataLoader worker never dies with the item's name lost. ``move`` copies any batch structure to the device.
@@ -24,7 +26,7 @@ from torch.utils.data import Dataset, IterableDataset
 from job.config import DataConfig
 from job.data.images import Datasets
 from job.data.loaders import Loaders, dataset_loaders
-from job.data.sampler import sample_seed
+from job.data.sampler import collate_seed, sample_seed
 from job.data.workers import WorkerFailure, init_error
 from job.errors import JobError, UserCodeError
 
@@ -56,14 +58,19 @@ class SeededItems(Dataset):
         return len(self.items)
 
     def __getitems__(self, keys: list[tuple[int, int] | int]) -> list[Any] | WorkerFailure:
-        """One batch's items (DataLoader's fetcher calls this), or the error that stopped it, as data."""
+        """One batch's items (DataLoader's fetcher calls this) with the seed of its collate, or the error that
+        stopped it, as data."""
         try:
-            return [self[key] for key in keys]
+            items = SeededBatch(self[key] for key in keys)
         except JobError as err:
             return WorkerFailure(err)
+        if keys:
+            epoch, index = _epoch_index(keys[0])
+            items.seed = collate_seed(self.seed, epoch, index)
+        return items
 
     def __getitem__(self, key: tuple[int, int] | int) -> Any:
-        epoch, index = key if isinstance(key, tuple) else (0, key)
+        epoch, index = _epoch_index(key)
         with _Seeded(sample_seed(self.seed, epoch, index)):
             try:
                 return self.items[index]
@@ -72,6 +79,18 @@ class SeededItems(Dataset):
                     f"reading dataset({self.split!r})[{index}] raised {type(e).__name__}: {str(e).strip()[:300]}",
                     "fix the dataset's __getitem__ (JOB_TRACEBACK=1 prints the traceback).",
                 ) from e
+
+
+def _epoch_index(key: tuple[int, int] | int) -> tuple[int, int]:
+    if isinstance(key, tuple):
+        return key
+    return 0, key
+
+
+class SeededBatch(list[Any]):
+    """A batch's items, with the seed its ``collate`` runs under (None: not seeded, e.g. preflight's batch)."""
+
+    seed: int | None = None
 
 
 class _Seeded:
@@ -109,7 +128,11 @@ class Collate:
         if isinstance(items, WorkerFailure):
             return items
         try:
-            return self.collate(items)
+            seed = getattr(items, "seed", None)
+            if seed is None:
+                return self.collate(items)
+            with _Seeded(seed):  # a random collate (masking, mixup) draws the same whatever the workers
+                return self.collate(items)
         except Exception as e:
             raise self.error(
                 f"the items of a batch do not collate: {type(e).__name__}: {str(e).strip()[:300]}",

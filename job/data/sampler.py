@@ -37,6 +37,20 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return int(np.random.SeedSequence([seed % 2**64, epoch, index]).generate_state(1, np.uint64)[0] >> 1)
 
 
+COLLATE_KEY = 1
+"""The fourth entry of a batch's collate seed: a collate seed never equals an item's augmentation seed."""
+
+
+def collate_seed(seed: int, epoch: int, first_index: int) -> int:
+    """The seed of one batch's ``collate``: a hash of (seed, epoch, the index of the batch's first item).
+
+    The first item names the batch: each index is in one batch of an epoch, on one rank, whatever the workers,
+    prefetching or a resume in between (the micro-batch's position would do as well, but only the sampler
+    knows it, while the item keys travel with the batch)."""
+    state = np.random.SeedSequence([seed % 2**64, epoch, first_index, COLLATE_KEY]).generate_state(1, np.uint64)
+    return int(state[0] >> 1)
+
+
 class ResumableSampler(Sampler):
     """This rank's share of each epoch, as (epoch, index) pairs; layout in the module docstring."""
 

@@ -91,11 +91,29 @@ def apply_tf32(enabled: bool) -> None:
 
 
 class DataParallelBaseline(nn.DataParallel):
-    """nn.DataParallel with the one method the training loop needs from DDP."""
+    """nn.DataParallel with the one method the training loop needs from DDP, around the task's training step:
+    each GPU's replica returns its scalars, which come back as one value per replica and leave as their mean
+    (the chunks of a batch are of equal size)."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return _replica_mean(super().forward(*inputs, **kwargs), len(self.device_ids))
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         # One process: gradients land on the first device via autograd; there is no all-reduce to skip.
         return contextlib.nullcontext()
+
+
+def _replica_mean(out: Any, replicas: int) -> Any:
+    """The gathered per-replica scalars of ``out`` (tensors in tuples and dicts) as their mean."""
+    if replicas <= 1:  # one device: DataParallel calls the module itself, nothing gathered
+        return out
+    if isinstance(out, torch.Tensor):
+        return out.float().mean()
+    if isinstance(out, dict):
+        return {k: _replica_mean(v, replicas) for k, v in out.items()}
+    if isinstance(out, tuple):
+        return tuple(_replica_mean(v, replicas) for v in out)
+    return out
 
 
 @dataclass
@@ -178,12 +196,11 @@ def _hook(cfg: DdpConfig) -> tuple[Any, Any]:
     return default_hooks.allreduce_hook, None
 
 
-def wrap_model(
-    raw_model: nn.Module, cfg: JobConfig, rt: Any, settle: Callable[[nn.Module], torch.Tensor] | None = None
-) -> nn.Module:
+def wrap_model(raw_model: nn.Module, cfg: JobConfig, rt: Any, settle: Callable[[nn.Module], torch.Tensor]) -> nn.Module:
     """The training wrapper around ``raw_model`` (already on ``rt.device``): DDP with the configured knobs and
     comm hook, or the DataParallel baseline. Also applies the TF32 switch (a process-wide setting). ``settle``:
-    a training pass for ``settle_buckets`` (default: an image classifier's, ``image_probe``)."""
+    a training pass for ``settle_buckets`` (the task's loss on the preflight batch; an image classifier's on
+    zero images is job.tasks.image.model.image_probe)."""
     if rt.device.type == "cuda":
         apply_tf32(cfg.train.tf32)
     if cfg.train.strategy == "dp":
@@ -200,8 +217,6 @@ def wrap_model(
     )
     # Before the hook, so PowerSGD's iteration count and the counter see real steps only (DDP takes a hook
     # between iterations).
-    if settle is None:
-        settle = image_probe(cfg.data.image_size, rt.device)
     settle_buckets(model, settle)
     hook, state = _hook(d)
     if d.comm_stats:
@@ -213,17 +228,6 @@ def wrap_model(
     if isinstance(state, powerSGD_hook.PowerSGDState):
         _POWERSGD_RESETS[model] = PowerSgdReset(state)
     return model
-
-
-def image_probe(image_size: int, device: torch.device) -> Callable[[nn.Module], torch.Tensor]:
-    """A training pass of an image classifier for ``settle_buckets``: the sum of its logits on 2 zero images."""
-    images = torch.zeros(2, 3, image_size, image_size, device=device)  # 2: BatchNorm needs > 1 value per channel
-
-    def probe(model: nn.Module) -> torch.Tensor:
-        out: torch.Tensor = model(images).sum()
-        return out
-
-    return probe
 
 
 def settle_buckets(model: DDP, probe: Callable[[nn.Module], torch.Tensor]) -> None:

@@ -22,11 +22,15 @@ from job.config import JobConfig
 from job.config.plan import Plan
 from job.data.items import Collate, SeededItems, check_dataset
 from job.data.loaders import require_one_batch
+from job.data.workers import WorkerFailure
 from job.errors import JobError
 from job.tasks.contract import SPLITS, Bound, describe
 
 PROBE_ITEMS = 2
 """Items in the preflight batch (BatchNorm in train mode needs more than one)."""
+SPREAD_ITEMS = 8
+"""At most this many items, spread from the first to the last of each split, collated as one batch in preflight:
+items that do not collate fail there, before anything is written, not at a later batch of the run."""
 
 
 @dataclass
@@ -67,6 +71,8 @@ def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool
         n = len(datasets["train"])
         require_one_batch(n, "task.name", task.name, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
     batch = _probe_batch(task, cfg, datasets)
+    if datasets:
+        _check_spread(task, cfg, datasets, plan.micro_batch_size)
     with _unchanged(model):
         if task.has("check_built"):
             own.check_built(model)
@@ -88,6 +94,20 @@ def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> Any:
     return transfer(task, batch, cpu)
 
 
+def _check_spread(task: Bound, cfg: JobConfig, datasets: dict[str, Any], micro_batch_size: int) -> None:
+    """Each split's first and last items, and some between, collated as one batch: items that differ (shapes of
+    later items, a field only some have) fail here with exit 2. The collate runs seeded, so no RNG moves."""
+    for split in SPLITS:
+        items = SeededItems(datasets[split], split, cfg.run.seed, task.error)
+        n = len(items)
+        k = min(SPREAD_ITEMS, max(micro_batch_size, PROBE_ITEMS), n)
+        indices = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+        batch = items.__getitems__([(0, i) for i in indices])
+        if isinstance(batch, WorkerFailure):
+            raise batch.error
+        Collate(task.collate, task.error)(batch)
+
+
 def transfer(task: Bound, batch: Any, device: torch.device) -> Any:
     """A batch copied to ``device`` as the task wants it (its own ``transfer``, else every tensor moved)."""
     return task.transfer(batch, device)
@@ -97,7 +117,7 @@ def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:
     model.train()
     with torch.no_grad():
         try:
-            loss, _ = task.loss(model, batch)
+            loss, _, _ = task.loss(model, batch)
         except Exception as e:
             if isinstance(e, JobError):  # already one of the job's errors, naming its setting
                 raise

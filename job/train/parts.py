@@ -19,9 +19,8 @@ from job.config import JobConfig
 from job.config.plan import Plan
 from job.data.items import task_loaders
 from job.data.loaders import Loaders
-from job.data.prefetch import wrap_loaders
 from job.parallel import ddp, distributed
-from job.tasks.contract import Bound
+from job.tasks.contract import Bound, TrainingStep
 from job.tasks.load import load_task
 from job.tasks.preflight import Checked, check_task, transfer
 from job.train.ema import Ema, build_ema
@@ -36,9 +35,11 @@ class Parts:
     raw_model: nn.Module
     """The model itself: what is saved, evaluated and averaged."""
     model: nn.Module
-    """The DDP (or DataParallel) wrapper: gradient all-reduce, ``no_sync()``."""
+    """The DDP (or DataParallel) wrapper of the task's ``TrainingStep`` around ``raw_model``: gradient
+    all-reduce, ``no_sync()``."""
     train_model: nn.Module
-    """What the step calls: ``model``, compiled when ``model.compile`` is set."""
+    """What the step calls with a batch: ``model``, compiled when ``model.compile`` is set; it returns the
+    checked output of the task's ``loss(raw_model, batch)``."""
     optimizer: Optimizer
     scheduler: LRScheduler
     scaler: torch.amp.GradScaler
@@ -78,8 +79,11 @@ def build_parts(
     if initial_weights and task.has("load_pending_weights"):
         task.task.load_pending_weights(raw_model, env)
     raw_model = raw_model.to(device)
-    settle = _loss_probe(task, transfer(task, checked.batch, device))
-    model = ddp.wrap_model(raw_model, cfg, rt, settle)  # DDP with its knobs/comm hook, or the dp baseline
+    settle = _loss_probe(transfer(task, checked.batch, device))
+    # The wrapper wraps the task's step, not the model: loss gets the user's own module, as everywhere else.
+    model = ddp.wrap_model(
+        TrainingStep(raw_model, task), cfg, rt, settle
+    )  # DDP with its knobs/comm hook, or the dp baseline
     train_model = model
     if cfg.model.compile:
         train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
@@ -107,16 +111,18 @@ def _loaders(cfg: JobConfig, env: DistEnv, plan: Plan, device: torch.device, tas
     micro, accum, seed = plan.micro_batch_size, plan.grad_accum_steps, cfg.run.seed
     if task.has("loaders"):
         loaders = task.task.loaders(env.rank, env.world_size, micro, seed, device, accum)
-        return cast(Loaders, wrap_loaders(loaders, device, cfg.data.device_prefetch, cfg.model.channels_last))
+        return cast(Loaders, loaders)
     sets = checked.datasets
     return task_loaders(cfg.data, sets, task.collate, task.error, env.rank, env.world_size, micro, seed, device, accum)
 
 
-def _loss_probe(task: Bound, batch: Any) -> Callable[[nn.Module], torch.Tensor]:
-    """The task's loss on the preflight batch: DDP's start-up passes run the real training graph."""
+def _loss_probe(batch: Any) -> Callable[[nn.Module], torch.Tensor]:
+    """The task's loss on the preflight batch, through the wrapped ``TrainingStep``: DDP's start-up passes run
+    the real training graph."""
 
     def probe(model: nn.Module) -> torch.Tensor:
-        return task.loss(model, batch)[0]
+        out: torch.Tensor = model(batch)[0]
+        return out
 
     return probe
 

@@ -270,6 +270,8 @@ def _checkpointer(
     states.add("rng", RngStates(parts.device, env.rank, env.world_size, rt.control_group, layout))
     if parts.ema is not None:  # optional: a run may enable EMA on resume (with ckpt.allow_config_change)
         states.add("ema", parts.ema, optional=True)
+    if parts.task.stateful():  # the task's own state: a teacher, a memory bank, a curriculum counter
+        states.add("task", parts.task.task)
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and parts.device.type == "cuda")
     manager = ckpt.CheckpointManager(
         cfg.run_dir, cfg.ckpt.keep_last, async_save, env.is_main, cfg.debug.ckpt_write_delay_s

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -35,7 +36,9 @@ class TrainState:
 @dataclass
 class StepOutput:
     loss: torch.Tensor
-    """Sum over the micro-batches of (loss / grad_accum_steps): this rank's mean loss of the step (on device)."""
+    """This rank's share of the step's loss (on device): for a mean loss, the mean over its micro-batches; for a
+    ``(sum, count)`` loss, its sum x world_size / the global count. Either way the mean over the ranks is the
+    loss of the global batch."""
     grad_norm: torch.Tensor
     """Global gradient norm after the all-reduce (before clipping)."""
     finite: torch.Tensor
@@ -65,8 +68,10 @@ def train_step(
     step folds the count into ``state`` and enforces ``train.max_nonfinite_skips`` (job.train.guard).
     """
     where = where or _Nowhere()
+    parts.task.before_step(state.step + 1, _epoch_of_next_step(parts, state))
     parts.model.train()
     step_loss = torch.zeros((), device=parts.device)
+    count = torch.zeros((), device=parts.device)
     data_wait = 0.0
     last = plan.grad_accum_steps - 1
     extras: dict[str, torch.Tensor] = {}
@@ -78,12 +83,19 @@ def train_step(
         # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
         with _sync_context(parts.model, sync=micro == last):
             with parts.autocast:
-                loss, values = parts.task.loss(parts.train_model, batch)
-                loss = loss / plan.grad_accum_steps
+                loss, n, values = parts.train_model(batch)  # the task's loss(raw_model, batch)
+                if n is None:  # a mean: each micro-batch weighs alike
+                    loss = loss / plan.grad_accum_steps
+                else:  # a sum: normalised by the step's global count after accumulation (_per_item)
+                    count += n.detach()
             parts.scaler.scale(loss).backward()
         step_loss += loss.detach()
         _accumulate(extras, values, plan.grad_accum_steps)
-    grad_norm = _unscale_and_norm(parts, cfg.grad_clip_norm)
+    factor = None
+    if parts.task.counted:
+        factor = _per_item(count)
+        step_loss *= factor
+    grad_norm = _unscale_and_norm(parts, cfg.grad_clip_norm, factor)
     # Every rank holds the same all-reduced gradients, so all decide alike, without the host.
     found_inf = parts.guard.flag(grad_norm, step_loss)
     _update(parts, found_inf)
@@ -93,6 +105,29 @@ def train_step(
     if parts.ema is not None:
         parts.ema.update(parts.raw_model, state.step)
     return StepOutput(step_loss, grad_norm, found_inf == 0, data_wait, extras)
+
+
+def _epoch_of_next_step(parts: Parts, state: TrainState) -> int:
+    """The epoch the next step's micro-batches come from: ``state.epoch`` advances only when the first batch
+    of the next epoch is drawn, and a step never straddles two epochs (job.data.sampler)."""
+    if state.micro_batches_in_epoch >= parts.loaders.batches_per_epoch:
+        return state.epoch + 1
+    return state.epoch
+
+
+def _per_item(count: torch.Tensor) -> torch.Tensor:
+    """world_size / the step's count over every micro-batch and rank: the factor that turns the accumulated,
+    rank-averaged gradients of a summed loss into those of its mean over the global batch.
+
+    Decision: scale the gradients after accumulation, before clipping and the update, rather than count every
+    micro-batch first: the count may come out of the forward (tokens not masked, boxes matched), and no task
+    member is needed to count a batch. Cost: one all-reduce of a scalar and one multiply over the gradients
+    per step, both on the device (no host synchronisation)."""
+    world_size = 1
+    if dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size()
+        dist.all_reduce(count)
+    return world_size / count.clamp_min(1.0)  # an empty step (count 0) has zero gradients: no 0/0
 
 
 def _accumulate(extras: dict[str, torch.Tensor], values: dict[str, torch.Tensor], grad_accum_steps: int) -> None:
@@ -112,9 +147,11 @@ def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
     return cast(DistributedDataParallel, model).no_sync()
 
 
-def _unscale_and_norm(parts: Parts, clip_norm: float) -> torch.Tensor:
+def _unscale_and_norm(parts: Parts, clip_norm: float, factor: torch.Tensor | None = None) -> torch.Tensor:
     parts.scaler.unscale_(parts.optimizer)
-    params = parts.raw_model.parameters()
+    params = list(parts.raw_model.parameters())
+    if factor is not None:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
     if clip_norm > 0:
         return nn.utils.clip_grad_norm_(params, clip_norm, foreach=True)
     # The norm alone (logged, finite check): clip_grad_norm_ with inf would also rescale every gradient by 1.

@@ -23,7 +23,7 @@ from job.data.loaders import to_device
 from job.data.source import build_loaders
 from job.parallel import ddp as parallel
 from job.parallel.distributed import Runtime
-from job.tasks.image.model import build_model
+from job.tasks.image.model import build_model, image_probe
 from job.train.optim import build_optimizer
 
 
@@ -54,7 +54,7 @@ def hook_run(hook: str, data: str, rt: Runtime, steps: int = 5) -> dict:
     images, labels = to_device(next(iter(loaders.train)), rt.device)
     torch.manual_seed(0)
     raw = build_model(cfg.model, 4)
-    model = parallel.wrap_model(raw, cfg, rt)
+    model = parallel.wrap_model(raw, cfg, rt, image_probe(cfg.data.image_size, rt.device))
     opt = build_optimizer(raw, cfg.optim, cfg.optim.lr, rt.device)
     losses = []
     for _ in range(steps):

@@ -118,3 +118,175 @@ class Ragged(Dataset):
 class RaggedItems(Regression):
     def dataset(self, split: str) -> Dataset:
         return Ragged()
+
+
+class ConfiguredNet(nn.Module):
+    """A model with what real models carry beside ``forward``: a ``config`` and a helper method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = {"scale": 2.0}
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+    def residual(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self(batch["x"]) - batch["y"]
+
+
+class ReadsModel(Regression):
+    """A loss and metrics that read ``model.config`` and call a helper method of the model."""
+
+    def build_model(self) -> nn.Module:
+        return ConfiguredNet()
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert isinstance(model, ConfiguredNet), type(model)  # the user's own module, never a wrapper
+        err = model.residual(batch) * model.config["scale"]
+        return (err**2).mean(), {}
+
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+        assert isinstance(model, ConfiguredNet), type(model)
+        err = model.residual(batch)
+        return {"mse": ((err**2).sum().double(), err.numel())}
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(model.parameters())}]
+
+
+class Sentences(Dataset):
+    """``n`` token sequences of ragged lengths (2 to 12 tokens), fixed by the index."""
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        i = index + self.offset
+        length = 2 + (i * 7) % 11
+        return torch.tensor([(i * 3 + 5 * j) % 16 for j in range(length)])
+
+
+def pad(items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inputs padded with 0 and next-token targets padded with -100 (ignored)."""
+    width = max(len(t) for t in items) - 1
+    x = torch.zeros(len(items), width, dtype=torch.long)
+    y = torch.full((len(items), width), -100, dtype=torch.long)
+    for row, t in enumerate(items):
+        x[row, : len(t) - 1], y[row, : len(t) - 1] = t[:-1], t[1:]
+    return {"x": x, "y": y}
+
+
+class TokenSum:
+    """Next-token loss over ragged sequences, as ``(sum, count)`` of the real tokens (``counted``), or as each
+    micro-batch's mean over its tokens (the accumulation that weighs a short micro-batch's tokens more)."""
+
+    def __init__(self, counted: bool = True) -> None:
+        self.counted = counted
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Embedding(16, 8), nn.Tanh(), nn.Linear(8, 16))
+
+    def dataset(self, split: str) -> Dataset:
+        if split == "train":
+            return Sentences(32)
+        return Sentences(8, offset=100)
+
+    def collate(self, items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return pad(items)
+
+    def _nll(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(batch["x"]).flatten(0, 1)
+        targets = batch["y"].flatten()
+        return nn.functional.cross_entropy(logits, targets, reduction="sum"), (targets != -100).sum()
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+        nll, n = self._nll(model, batch)
+        if self.counted:
+            return nll, n
+        return nll / n
+
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+        nll, n = self._nll(model, batch)
+        return {"loss": (nll.double(), n)}
+
+
+class NoisyCollate(Regression):
+    """A collate that draws: noise on the inputs of each batch (as masking or mixup would)."""
+
+    def collate(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batch: dict[str, torch.Tensor] = torch.utils.data.default_collate(items)
+        batch["x"] = batch["x"] + 0.1 * torch.randn(batch["x"].shape)
+        return batch
+
+
+class Curriculum(Regression):
+    """State of its own, checkpointed: a count of its loss calls, and the step and epoch the job announced,
+    all of which weigh the loss."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.calls = torch.zeros(())
+        self.step, self.epoch = 0, -1
+
+    def before_step(self, step: int, epoch: int) -> None:
+        self.step, self.epoch = step, epoch
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self.calls += 1
+        mse, extras = super().loss(model, batch)
+        return mse * (1.0 + 0.01 * self.calls + 0.1 * self.step), extras
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls.clone(), "step": self.step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = state["calls"].clone()
+        self.step, self.epoch = state["step"], state["epoch"]
+
+
+class FrozenBackbone(Regression):
+    """A frozen backbone with BatchNorm (in no parameter group, kept in eval mode) under a trained head."""
+
+    def build_model(self) -> nn.Module:
+        backbone = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh())
+        return nn.Sequential(backbone, nn.Linear(8, 1))
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(model[1].parameters())}]
+
+    def frozen_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [model[0]]
+
+
+class NamesBuiltinMembers(Regression):
+    """Methods named like the built-in tasks' own members, which the job does not ask of a user's task."""
+
+    def prepare(self, *args: Any) -> None:
+        raise AssertionError("prepare is the built-in tasks' own")
+
+    def loaders(self, *args: Any) -> Any:
+        raise AssertionError("loaders is the built-in tasks' own")
+
+    def example_batch(self, n: int) -> Any:
+        raise AssertionError("example_batch is the built-in tasks' own")
+
+
+class Widening(Dataset):
+    """Items whose width grows after the first 8: the first two (preflight's batch) still collate."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        width = 4 + int(index >= 8)
+        return {"x": torch.zeros(width), "y": torch.zeros(1)}
+
+
+class LaterItemsDoNotCollate(Regression):
+    def dataset(self, split: str) -> Dataset:
+        return Widening()

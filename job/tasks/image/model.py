@@ -5,6 +5,7 @@ process group: built on the meta device (shapes only), and for a user model one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -191,3 +192,14 @@ def _check_output(cfg: ModelConfig, out: object, num_classes: int, image_size: i
         setting="model.name",
         value=cfg.name,
     )
+
+
+def image_probe(image_size: int, device: torch.device) -> Callable[[nn.Module], torch.Tensor]:
+    """A training pass of an image classifier for job.parallel.ddp.settle_buckets: the sum of its logits on 2 zero images."""
+    images = torch.zeros(2, 3, image_size, image_size, device=device)  # 2: BatchNorm needs > 1 value per channel
+
+    def probe(model: nn.Module) -> torch.Tensor:
+        out: torch.Tensor = model(images).sum()
+        return out
+
+    return probe

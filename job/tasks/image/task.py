@@ -10,7 +10,7 @@ normalises uint8 images on the device (``transfer``).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,9 +19,11 @@ from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.config.plan import Plan
 from job.data.loaders import Loaders, to_device
+from job.data.prefetch import wrap_loaders
 from job.data.source import Prepared, build_loaders, datasets, describe_data, prepare_data
 from job.errors import BadInput
 from job.observe.observer import train_flops_per_sample
+from job.tasks.contract import BuiltinTask
 from job.tasks.image import model as models
 from job.tasks.image import weights
 
@@ -30,7 +32,7 @@ METRICS = ("top1", "top5", "loss")
 """Validation metrics, in the order the FINAL line prints them."""
 
 
-class ImageClassification:
+class ImageClassification(BuiltinTask):
     """The image classifier of ``cfg.model`` on ``cfg.data``; ``prepare`` runs in preflight, once."""
 
     def __init__(self, cfg: JobConfig) -> None:
@@ -124,9 +126,10 @@ class ImageClassification:
         self, rank: int, world_size: int, micro_batch_size: int, seed: int, device: torch.device, grad_accum_steps: int
     ) -> Loaders:
         data = self.cfg.data
-        return build_loaders(
+        loaders = build_loaders(
             data, rank, world_size, micro_batch_size, seed, device, grad_accum_steps, prepared=self.prepared
         )
+        return cast(Loaders, wrap_loaders(loaders, device, data.device_prefetch, self.cfg.model.channels_last))
 
     def transfer(self, batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return to_device(batch, device, self.cfg.model.channels_last)

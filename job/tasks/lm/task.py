@@ -110,9 +110,11 @@ class CausalLM:
     def dataset(self, split: str) -> TokenWindows:
         return TokenWindows(self.path / FILES[split], self.gpt.seq_len, jitter=self.jitter and split == "train")
 
-    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(nll sum, tokens): the job divides by the optimizer step's tokens over every micro-batch and rank."""
         logits = model(batch[:, :-1])
-        return functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        targets = batch[:, 1:].flatten()
+        return functional.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="sum"), targets.numel()
 
     def metrics(self, model: nn.Module, batch: torch.Tensor) -> dict[str, tuple[Any, Any]]:
         logits = model(batch[:, :-1]).flatten(0, 1).float()
