@@ -7,6 +7,8 @@
   epochs. The final parameters, optimizer, scheduler and trainer state must be bitwise identical.
 * exact resume at 4 processes, where the all-reduce's summation order depends on DDP's bucket layout:
   SIGTERM, resume, bitwise equal to an uninterrupted 4-process run.
+* a group SIGTERM while a loader's workers start (the validation loader's at the first evaluation, the
+  training loader's at the first step): every worker lives, the ranks save the stop step and exit 143;
 * hung peer (SIGSTOP of one worker): the other's watchdog reports the stalled rank and exits 124 before
   dist.train_timeout_s
   plus slack;
@@ -278,6 +280,30 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(
         assert want["trainer"][key] == got["trainer"][key], key
     for step_dir in run_dir.glob("step-*"):
         assert ".tmp" not in step_dir.name, f"torn save left behind: {step_dir}"
+
+
+@pytest.mark.parametrize("loader", ["val", "train"])
+def test_group_signal_while_loader_workers_start_saves_and_exits_143(
+    tmp_path: Path, tiny_data: Path, jobs: list[Job], loader: str
+) -> None:
+    """A SIGTERM to each rank's process group (what torchrun's agent sends) while a loader's workers start: the
+    first worker of that loader (the validation loader's start at the first evaluation, after step 3) signals
+    its own group after torch installed its worker signal handlers and before ours ran, the window where
+    torch's handler kills a worker on a signal its parent did not send. Every worker must live, the ranks
+    stop at the same step, save it, and the launch exits 143."""
+    out = tmp_path / "runs"
+    args = train_args(tiny_data, out, "r", "--train.eval-every", "3", "--debug.signal-group-at-worker-start", loader)
+    job = Job(tmp_path, [], args)
+    jobs.append(job)
+    rc = job.finish()
+    print(job.tail(25))
+    assert "is killed by signal" not in job.text, job.tail()
+    assert rc == 143, job.tail()
+    _, m = job.wait_for(r"\[rank 0/2\] INFO stop requested \(signal SIGTERM, [^)]*\): saving at step (\d+)")
+    step = int(m[1])
+    if loader == "val":
+        assert step == 4, "signalled during the evaluation after step 3: the next step it starts is the stop step"
+    assert sorted(int(p.name[5:]) for p in (out / "r").glob("step-???????")) == [step]
 
 
 def test_resumed_four_process_run_is_bitwise_identical_to_an_uninterrupted_one(

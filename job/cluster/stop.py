@@ -79,6 +79,23 @@ def begin_attempt(run_dir: Path) -> None:
     stop_file(run_dir).unlink(missing_ok=True)
 
 
+def _stop_signums() -> list[int]:
+    return [getattr(signal, name) for name in STOP_SIGNALS]
+
+
+def block_stop_signals() -> set[int]:
+    """Hold the stop signals pending in the calling thread (a forked child inherits the mask); returns the
+    mask before, for ``unblock_stop_signals``. Wrapped around the start of DataLoader workers: see
+    ``ignore_stop_signals``."""
+    return set(signal.pthread_sigmask(signal.SIG_BLOCK, _stop_signums()))
+
+
+def unblock_stop_signals(before: set[int] | None = None) -> None:
+    """Deliver the stop signals held by ``block_stop_signals`` (all of them, or those not blocked ``before``)."""
+    signums = [s for s in _stop_signums() if before is None or s not in before]
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
+
+
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """DataLoader ``worker_init_fn``: worker processes ignore the stop signals; their trainer handles them.
 
@@ -86,6 +103,13 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     rank's DataLoader workers. A worker killed by it makes the DataLoader raise ("worker ... is killed by
     signal: Terminated") in the trainer before it reaches the step boundary and saves. Workers still
     exit with their trainer (DataLoader's parent watchdog) and on SIGKILL.
+
+    torch installs its own SIGTERM handler in a worker before it calls ``worker_init_fn``
+    (torch/utils/data/_utils/worker.py), and that handler kills the worker on a SIGTERM that its parent did
+    not send: a group signal landing while the workers start. So the trainer starts its workers with the stop
+    signals blocked (``block_stop_signals``, inherited through fork): a signal in that window stays pending
+    in the worker, is discarded here when its disposition becomes "ignore", and only then are they unblocked.
     """
-    for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for signum in _stop_signums():
+        signal.signal(signum, signal.SIG_IGN)
+    unblock_stop_signals()

@@ -466,6 +466,9 @@ class DebugConfig(BaseModel):
     """Delay only these (1-based) steps; empty: every step."""
     ckpt_write_delay_s: float = Field(0.0, ge=0)
     """The checkpoint writer sleeps this long before writing (lands signals during a save)."""
+    signal_group_at_worker_start: Literal["", "train", "val"] = ""
+    """The first DataLoader worker of this loader sends SIGTERM to its rank's process group as it starts, before
+    it can ignore stop signals: a launcher's group signal landing while the workers start ("": off)."""
 
 
 class JobConfig(BaseSettings):
