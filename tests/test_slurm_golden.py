@@ -68,6 +68,8 @@ SCENARIOS: dict[str, tuple[dict[str, str], list[str]]] = {
     # a STOP file, train.max_time, a signal to the workers only: the script's trap never fired, the run saved
     "stopped-without-signal": ({"STUB_SRUN_RC": "143", **SAVED}, []),
     "143-without-record": ({"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, []),
+    # scancel, scontrol requeue, preemption: Slurm's SIGTERM to the batch shell; Slurm decides, not the script
+    "slurm-sigterm": ({"STUB_SIGNAL": "TERM", "STUB_SRUN_RC": "143", **SAVED}, []),
     "failed-step": ({"STUB_SRUN_RC": "1", "STUB_SIGNAL": "USR2"}, []),
     "bad-container": ({"DDP_JOB_CONTAINER": "docker"}, []),
     "bad-nproc": ({"DDP_JOB_NPROC_PER_NODE": "two"}, []),
