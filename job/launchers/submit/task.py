@@ -77,9 +77,11 @@ class TrainTask(submitit.helpers.Checkpointable):
         if code == EXIT_PREEMPTED:
             sys.stdout.flush()
             sys.stderr.flush()
-            # The stop record, not this task's own signal, says whether a stop save exists: a stop for any
-            # reason (the signal, a STOP file, train.max_time) is requeued once it is saved.
-            if stop.read_record(run_dir) is not None and dist_env.rank == 0:
+            # The stop record, not this task's own signal, says whether a stop save exists: a saved stop is
+            # requeued whatever asked for it (submitit's signal, a STOP file, train.max_time), except a stop
+            # signal to the trainer itself: that is Slurm's SIGTERM, and Slurm requeues or ends the job.
+            record = stop.read_record(run_dir)
+            if record is not None and record.reason != "signal" and dist_env.rank == 0:
                 chain.call_submitit(usr_sig)  # checkpoint() + scontrol requeue + exit (or raises)
             # No result file: the job is being requeued (by submitit above or by Slurm after SIGTERM)
             # or was cancelled; a result would make the next attempt look finished.
