@@ -272,3 +272,16 @@ def test_bad_config_exits_2_without_traceback() -> None:
     r = run_cli(["train", "--optim.lr", "abc"])
     assert r.returncode == 2
     assert "optim.lr" in r.stderr and "abc" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_max_time_is_a_duration_naming_the_setting() -> None:
+    from job.config.schema import parse_duration
+
+    assert [parse_duration(t) for t in ("90", "90s", "1.5h", "1h30m", "2d")] == [90, 90, 5400, 5400, 172800]
+    for bad in ("0", "-5", "1h30", "soon", ""):
+        with pytest.raises(ValueError, match="not a positive duration"):
+            parse_duration(bad)
+    assert load_config(["--train.max-time", "1h30m"], {}).train.max_time_s == 5400
+    assert load_config([], {}).train.max_time_s is None
+    with pytest.raises(BadInput, match=r"train\.max_time"):
+        load_config(["--train.max-time", "soon"], {})

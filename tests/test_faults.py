@@ -7,6 +7,10 @@
   epochs. The final parameters, optimizer, scheduler and trainer state must be bitwise identical.
 * exact resume at 4 processes, where the all-reduce's summation order depends on DDP's bucket layout:
   SIGTERM, resume, bitwise equal to an uninterrupted 4-process run.
+* a group SIGTERM while a loader's workers start (the validation loader's at the first evaluation, the
+  training loader's at the first step): every worker lives, the ranks save the stop step and exit 143;
+* a full disk freed (a tmpfs of the test's own): the storage check counts the run's own checkpoints, a
+  shortage exits 1 (it may heal), and once enough is freed the rerun resumes;
 * hung peer (SIGSTOP of one worker): the other's watchdog reports the stalled rank and exits 124 before
   dist.train_timeout_s
   plus slack;
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,9 +35,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import ROOT
+from support import EXAMPLE, ROOT
 from support.ci import bin_path, require
-from support.cli import base_env, make_data
+from support.cli import base_env, make_data, user_code_env
 from support.runs import assert_bitwise_equal, tiny_args
 
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
@@ -278,6 +283,30 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(
         assert want["trainer"][key] == got["trainer"][key], key
     for step_dir in run_dir.glob("step-*"):
         assert ".tmp" not in step_dir.name, f"torn save left behind: {step_dir}"
+
+
+@pytest.mark.parametrize("loader", ["val", "train"])
+def test_group_signal_while_loader_workers_start_saves_and_exits_143(
+    tmp_path: Path, tiny_data: Path, jobs: list[Job], loader: str
+) -> None:
+    """A SIGTERM to each rank's process group (what torchrun's agent sends) while a loader's workers start: the
+    first worker of that loader (the validation loader's start at the first evaluation, after step 3) signals
+    its own group after torch installed its worker signal handlers and before ours ran, the window where
+    torch's handler kills a worker on a signal its parent did not send. Every worker must live, the ranks
+    stop at the same step, save it, and the launch exits 143."""
+    out = tmp_path / "runs"
+    args = train_args(tiny_data, out, "r", "--train.eval-every", "3", "--debug.signal-group-at-worker-start", loader)
+    job = Job(tmp_path, [], args)
+    jobs.append(job)
+    rc = job.finish()
+    print(job.tail(25))
+    assert "is killed by signal" not in job.text, job.tail()
+    assert rc == 143, job.tail()
+    _, m = job.wait_for(r"\[rank 0/2\] INFO stop requested \(signal SIGTERM, [^)]*\): saving at step (\d+)")
+    step = int(m[1])
+    if loader == "val":
+        assert step == 4, "signalled during the evaluation after step 3: the next step it starts is the stop step"
+    assert sorted(int(p.name[5:]) for p in (out / "r").glob("step-???????")) == [step]
 
 
 def test_resumed_four_process_run_is_bitwise_identical_to_an_uninterrupted_one(
@@ -734,3 +763,92 @@ def test_flight_recorder_defaults_draw_no_deprecation_warning(tmp_path: Path) ->
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
     assert "deprecated" not in proc.stderr, proc.stderr[-3000:]
+
+
+# --- a full disk, freed ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 64 MiB tmpfs of this test's own (root needed; in CI a missing capability fails instead of skipping)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    require(r.returncode == 0, f"cannot mount a tmpfs (root needed): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill_to(disk: Path, free: int) -> None:
+    """Leave ``free`` bytes free on ``disk`` (one filler file, replaced)."""
+    filler = disk / "filler"
+    filler.unlink(missing_ok=True)
+    size = shutil.disk_usage(disk).free - free
+    assert size > 0, f"the disk has less than {free} bytes free"
+    with filler.open("wb") as f:
+        os.posix_fallocate(f.fileno(), 0, size)
+
+
+def test_rerun_after_a_full_disk_is_freed_resumes(
+    tmp_path: Path, tiny_data: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run holding checkpoints on a nearly full disk: the storage check counts them (pruning reuses their
+    space). Too little space even so is a shortage that heals (exit 1, naming storage.space), not bad input
+    (2); once enough is freed for the checkpoints still to come, though not for keep_last + 1 whole ones,
+    the rerun resumes."""
+    from job.config import load_config
+    from job.doctor.checks import checkpoint_bytes
+    from job.tasks.image.model import build_model
+
+    args = [
+        "--run.output-dir",
+        str(small_disk),
+        "--run.name",
+        "r",
+        *tiny_args(tiny_data),
+        "--model.name",
+        "tinyshapes.model:tiny_cnn",
+        "--model.options",
+        '{"width": 96}',
+        "--train.global-batch-size",
+        "8",
+        "--ckpt.every",
+        "1",
+        "--ckpt.keep-last",
+        "2",
+        "--log.tensorboard",
+        "false",
+        "--log.progress",
+        "off",
+    ]
+    env = user_code_env(tmp_path)
+
+    def train(steps: int) -> subprocess.CompletedProcess[str]:
+        cmd = [bin_path("ddp-job"), "train", *args, "--train.steps", str(steps)]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    first = train(4)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_dir = small_disk / "r"
+    assert [p.name for p in sorted(run_dir.glob("step-???????"))] == ["step-0000003", "step-0000004"]
+    held = sum(f.stat().st_size for f in run_dir.rglob("step-*/*") if f.is_file())
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    cfg = load_config(args, {})
+    whole = checkpoint_bytes(cfg, build_model(cfg.model, 4)) * (2 + 1)  # keep_last + 1 being written
+    assert held > whole / 3, "the run's own checkpoints are a third of what the check asks for"
+
+    _fill_to(small_disk, (whole - held) // 2)  # short even counting them: may heal, so exit 1
+    short = train(6)
+    out = short.stdout + short.stderr
+    assert short.returncode == 1, out[-3000:]
+    assert "storage.space" in out and "step-0000005" not in out, out[-3000:]
+
+    _fill_to(small_disk, whole - held // 2)  # enough counting the held checkpoints, too little without
+    rerun = train(6)
+    out = rerun.stdout + rerun.stderr
+    print(out[-1500:])
+    assert rerun.returncode == 0, out[-3000:]
+    assert re.search(r"resumed from \S*step-0000004", out), out[-3000:]
+    assert re.search(r"^FINAL step=6 ", rerun.stdout, re.M), out[-3000:]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from job.checkpoint.store import MANIFEST, step_dir_name
 from job.cluster.env import NOTICE_VAR
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
 from job.launchers.torchrun import (
@@ -168,11 +169,24 @@ def _agent_env(tmp_path: Path, plan: str, on_signal: str | None) -> dict[str, st
     return env
 
 
+def _saving_run(tmp_path: Path, checkpoint: bool = True) -> tuple[str, ...]:
+    """Train args naming the run directory where the launcher looks for the stop record. With ``checkpoint`` the
+    workers "save": the manifest of step 1 is made here, and a worker that exits 143 writes the record."""
+    run_dir = tmp_path / "runs" / "r"
+    if checkpoint:
+        (run_dir / step_dir_name(1)).mkdir(parents=True)
+        (run_dir / step_dir_name(1) / MANIFEST).write_text("{}")
+    return ("--", "--run.output-dir", str(tmp_path / "runs"), "--run.name", "r")
+
+
 def _launch(tmp_path: Path, plan: str, on_signal: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     argv = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", *extra]
+    env = _agent_env(tmp_path, plan, on_signal)
+    if (tmp_path / "runs" / "r").is_dir():  # the workers "save" (_saving_run)
+        env["LAUNCH_TEST_RUN_DIR"] = str(tmp_path / "runs" / "r")
     return subprocess.Popen(
         [sys.executable, "-c", AGENT, *argv],
-        env=_agent_env(tmp_path, plan, on_signal),
+        env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -201,20 +215,27 @@ def test_success_runs_job_train_with_the_train_args(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    ("plan", "on_signal", "expected"),
+    ("plan", "on_signal", "saved", "expected"),
     [
-        ("0:0,1:143:1", "own", EXIT_PREEMPTED),  # one rank saved and stopped, none crashed: resume me
-        ("0:1,1:143:1", "own", EXIT_FAILURE),  # a crashed rank outranks 143: the save may be missing
-        ("0:1,1:2:1", "own", EXIT_BAD_INPUT),  # 2 wins over 1
+        ("0:0,1:143:1", "own", True, EXIT_PREEMPTED),  # one rank saved and stopped, none crashed: resume me
+        ("0:0,1:143:1", "own", False, EXIT_FAILURE),  # 143 returned, but no stop save on storage: lost
+        ("0:1,1:143:1", "own", True, EXIT_FAILURE),  # a crashed rank outranks 143: the save may be missing
+        # 2 wins over 1: rank 0 fails once both run, torchrun SIGTERMs rank 1, whose bad input exits 2
+        ("0:1,1:2:30", "own", None, EXIT_BAD_INPUT),
         # rank 0 fails with 7; torchrun then SIGTERMs rank 1 (dies: -15). The first failure's code, not 143.
-        ("0:7,1:0:30", None, 7),
+        ("0:7,1:0:30", None, None, 7),
     ],
-    ids=["143-wins", "crash-beats-143", "2-wins", "first-failure"],
+    ids=["143-wins", "143-without-save", "crash-beats-143", "2-wins", "first-failure"],
 )
-def test_worker_exit_codes_are_mapped(tmp_path: Path, plan: str, on_signal: str | None, expected: int) -> None:
-    rc, out = _finish(_launch(tmp_path, plan, on_signal))
+def test_worker_exit_codes_are_mapped(
+    tmp_path: Path, plan: str, on_signal: str | None, saved: bool | None, expected: int
+) -> None:
+    extra = () if saved is None else _saving_run(tmp_path, checkpoint=saved)
+    rc, out = _finish(_launch(tmp_path, plan, on_signal, extra))
     assert rc == expected, out
     assert f"exit code {expected}" in out
+    if saved is False:
+        assert "the save was lost" in out, out
 
 
 def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -231,20 +252,24 @@ def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 240) ->
     ("sig", "on_signal", "expected"),
     [
         (signal.SIGTERM, "143", EXIT_PREEMPTED),  # workers saved and returned 143: resume me
-        # SIGINT tells "saved" (143, read from the workers after torchrun stopped them) from "killed" (128+2)
+        # SIGINT tells "saved" (143, read from the workers after torchrun stopped them) from "killed"
         (signal.SIGINT, "143", EXIT_PREEMPTED),
-        (signal.SIGINT, None, 128 + signal.SIGINT),  # workers died of the signal: nothing saved
+        (signal.SIGINT, None, EXIT_FAILURE),  # workers died of the signal: nothing saved
+        (signal.SIGTERM, None, EXIT_FAILURE),  # killed by SIGTERM: torch's list says 143, but nothing saved
+        (signal.SIGTERM, "1", EXIT_FAILURE),  # the workers failed: not 128 + SIGTERM
     ],
-    ids=["sigterm-saved", "sigint-saved", "sigint-killed"],
+    ids=["sigterm-saved", "sigint-saved", "sigint-killed", "sigterm-killed", "sigterm-failed"],
 )
 def test_signal_to_the_agent_reaches_the_workers(
     tmp_path: Path, sig: signal.Signals, on_signal: str | None, expected: int
 ) -> None:
-    proc = _launch(tmp_path, "0:0:60,1:0:60", on_signal)
+    proc = _launch(tmp_path, "0:0:60,1:0:60", on_signal, _saving_run(tmp_path))
     _wait_ready(tmp_path, proc)
     proc.send_signal(sig)
     rc, out = _finish(proc, timeout=120)
     assert rc == expected, out
+    if expected != EXIT_PREEMPTED:
+        assert "the save was lost" in out, out
     for rank in (0, 1):
         assert (tmp_path / f"signal-{rank}").read_text() == sig.name
 

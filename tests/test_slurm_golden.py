@@ -15,6 +15,7 @@ from pathlib import Path
 
 from support.ci import dev_tool
 
+from job.cluster import stop
 from job.cluster.env import slurm_master_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,9 +26,11 @@ STUB_SRUN = r"""#!/bin/bash
 printf '%s\n' "srun $*" "  with DDP_JOB_NOTICE_S=${DDP_JOB_NOTICE_S:-}" >>"$STUB_LOG"
 if [ -n "${STUB_SIGNAL:-}" ]; then          # a preemption signal to the batch shell mid-step
   kill -s "$STUB_SIGNAL" "$PPID"; sleep 0.5
-  # a stop request (job/cluster/stop.py): the file exists and is empty, not marked honoured
-  [ -e "$STUB_STOP" ] && [ ! -s "$STUB_STOP" ] && echo "STOP requested during the step" >>"$STUB_LOG"
+  # a scheduler's stop request (job/cluster/stop.py): the file says so, not marked honoured
+  [ "$(cat "$STUB_STOP" 2>/dev/null)" = "$STUB_SCHEDULER" ] && echo "STOP requested during the step" >>"$STUB_LOG"
 fi
+# the trainer's stop save: rank 0 writes the stop record (a copy of one that job.cluster.stop wrote)
+[ -n "${STUB_RECORD:-}" ] && cp "$STUB_RECORD" "$(dirname "$STUB_STOP")/$STUB_RECORD_FILE"
 exit "${STUB_SRUN_RC:-0}"
 """
 STUB_SCONTROL = r"""#!/bin/bash
@@ -44,6 +47,8 @@ for name in $STUB_RESOLVABLE; do [ "$name" = "$2" ] && { echo "10.8.0.1 $2"; exi
 exit 2
 """
 
+SAVED = {"STUB_RECORD": "time-budget"}  # the stop save's record, written by job.cluster.stop (_render)
+
 SCENARIOS: dict[str, tuple[dict[str, str], list[str]]] = {
     # name: (environment on top of the base, arguments after the script)
     "gpu-default": ({"SLURM_GPUS_ON_NODE": "4"}, ["--config", "configs/x.yaml", "--train.steps", "100"]),
@@ -58,9 +63,13 @@ SCENARIOS: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "apptainer": ({"DDP_JOB_CONTAINER": "apptainer", "DDP_JOB_IMAGE": "/img/ddp-job.sif"}, []),
     "array-task": ({"SLURM_ARRAY_JOB_ID": "777", "SLURM_ARRAY_TASK_ID": "3", "DDP_JOB_RDZV_PORT": "29999"}, []),
-    "preempted-requeue": ({"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "1"}, []),
-    "preempted-usr1-at-cap": ({"STUB_SIGNAL": "USR1", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3"}, []),
-    "stopped-without-signal": ({"STUB_SRUN_RC": "143"}, []),
+    "preempted-requeue": ({"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "1", **SAVED}, []),
+    "preempted-usr1-at-cap": ({"STUB_SIGNAL": "USR1", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3", **SAVED}, []),
+    # a STOP file, train.max_time, a signal to the workers only: the script's trap never fired, the run saved
+    "stopped-without-signal": ({"STUB_SRUN_RC": "143", **SAVED}, []),
+    "143-without-record": ({"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, []),
+    # scancel, scontrol requeue, preemption: Slurm's SIGTERM to the batch shell; Slurm decides, not the script
+    "slurm-sigterm": ({"STUB_SIGNAL": "TERM", "STUB_SRUN_RC": "143", **SAVED}, []),
     "failed-step": ({"STUB_SRUN_RC": "1", "STUB_SIGNAL": "USR2"}, []),
     "bad-container": ({"DDP_JOB_CONTAINER": "docker"}, []),
     "bad-nproc": ({"DDP_JOB_NPROC_PER_NODE": "two"}, []),
@@ -110,6 +119,10 @@ def _render(tmp: Path, name: str, extra_env: dict[str, str], args: list[str]) ->
         )
     out_dir = submit / ("out" if "out" in args else "runs")
     env["STUB_STOP"] = str(out_dir / run_name / "STOP")
+    env.update(STUB_SCHEDULER=stop.SCHEDULER, STUB_RECORD_FILE=stop.RECORD_FILE)
+    if "STUB_RECORD" in env:
+        stop.write_record(case, 7, env["STUB_RECORD"])
+        env["STUB_RECORD"] = str(stop.record_file(case))
     proc = subprocess.run(["bash", str(SBATCH), *args], cwd=submit, env=env, capture_output=True, text=True, timeout=60)
     errors = [line.split("ERROR: ", 1)[1] for line in proc.stderr.splitlines() if "ERROR: " in line]
     lines = [f"== {name}", f"exit {proc.returncode}"]
@@ -137,11 +150,18 @@ def test_golden_semantics(tmp_path: Path) -> None:
     assert "--rdzv-endpoint=10.9.0.1:24242" in out  # NodeAddr fallback, port from the job id
     launch_line = next(line for line in out.splitlines() if "ddp-job launch" in line)
     assert launch_line.endswith("--run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --train.steps 7")
-    requeued = _render(tmp_path, "y", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, [])
+    requeued = _render(tmp_path, "y", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", **SAVED}, [])
     assert "scontrol requeue 4242" in requeued and "STOP requested during the step" in requeued
     assert "exit 0" in requeued
-    at_cap = _render(tmp_path, "z", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3"}, [])
+    at_cap = _render(
+        tmp_path, "z", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143", "SLURM_RESTART_COUNT": "3", **SAVED}, []
+    )
     assert "scontrol requeue" not in at_cap and "exit 143" in at_cap
+    # the record, not the trap, decides: a stop the trap never saw is requeued, a 143 without a save is not
+    unseen = _render(tmp_path, "u", {"STUB_SRUN_RC": "143", **SAVED}, [])
+    assert "scontrol requeue 4242" in unseen and "exit 0" in unseen
+    lost = _render(tmp_path, "l", {"STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, [])
+    assert "scontrol requeue" not in lost and "exit 1" in lost and "the stop save was lost" in lost
     assert "ddp-job launch --nnodes=2" in out and " -- train --run.output-dir " in out  # train unless asked otherwise
     doctor = _render(tmp_path, "d", {"DDP_JOB_COMMAND": "doctor"}, ["--doctor.comm-iters", "3"])
     assert " -- doctor --run.output-dir <CASE>/submit/runs --run.name ddp-job-4242 --doctor.comm-iters 3" in doctor
@@ -174,6 +194,27 @@ def test_rendezvous_port_formula_is_the_python_one() -> None:
     assert proc.returncode == 0, proc.stderr
     assert [int(p) for p in proc.stdout.split()] == [slurm_master_port(str(i)) for i in ids]
     assert min(slurm_master_port(str(i)) for i in ids) >= 20000 and max(slurm_master_port(str(i)) for i in ids) < 32768
+
+
+def test_stop_record_is_read_as_python_writes_it(tmp_path: Path) -> None:
+    """The script reads the stop record with sed (no Python package on the host in container modes): its file
+    name, and the step and reason of every record ``job.cluster.stop.write_record`` writes, are Python's; its
+    trap writes Python's word for a scheduler's request."""
+    text = SBATCH.read_text()
+    assert re.search(rf"^stop_record=\$run_dir/{stop.RECORD_FILE}$", text, re.M), "the record's file name differs"
+    assert re.search(rf'^  echo {stop.SCHEDULER} > "\$stop_file"', text, re.M), "the trap's request differs"
+    readers = re.findall(r"^record_(?:step|reason)\(\) \{.*\}$", text, re.M)
+    assert len(readers) == 2, "slurm/train.sbatch defines no one-line record_step() and record_reason()"
+    for i, reason in enumerate(stop.REASONS):
+        run_dir = tmp_path / reason
+        run_dir.mkdir()
+        stop.write_record(run_dir, 1234567 + i, reason)
+        script = "\n".join(readers) + '\nrecord_step "$1"; record_reason "$1"\n'
+        proc = subprocess.run(
+            ["bash", "-c", script, "r", str(stop.record_file(run_dir))], capture_output=True, text=True
+        )
+        assert proc.stdout.split() == [str(1234567 + i), reason], proc.stdout + proc.stderr
+        assert stop.read_record(run_dir) == stop.Record(1234567 + i, reason)
 
 
 def test_shellcheck_clean() -> None:

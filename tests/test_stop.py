@@ -1,15 +1,19 @@
-"""The stop protocol (job.cluster.stop): the STOP file's states, and what a real training run does with each.
+"""The stop protocol (job.cluster.stop): the STOP file's states, the stop record, and what a real training run
+does with each.
 
 A request made before the trainer started is kept and honoured after the first step; the honoured mark
-makes the next start discard it and train on; nothing re-touches the file.
+makes the next start discard it and train on; nothing re-touches the file. Every stop save leaves the stop
+record (step and reason) that launchers act on; train.max_time is one more reason.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support.runs import tiny_args
 
 from job.cluster import stop
@@ -43,12 +47,31 @@ def test_states_and_transitions(tmp_path: Path) -> None:
     stop.mark_honoured(run_dir, 13)
     assert stop.discard_honoured(run_dir) and not stop.stop_file(run_dir).exists()
     stop.request(run_dir)
-    stop.begin_attempt(run_dir)  # a launcher's new attempt: gone whatever its state
-    assert not stop.stop_file(run_dir).exists()
+    stop.write_record(run_dir, 13, "stop-file")
+    stop.begin_attempt(run_dir)  # a launcher's new attempt: gone whatever its state, and so is the record
+    assert not stop.stop_file(run_dir).exists() and stop.read_record(run_dir) is None
 
 
-def train(tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    args = [*TINY, "--run.output-dir", str(tmp_path / "runs"), "--run.name", "r"]
+def test_record_and_requests_by_whom(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert stop.read_record(run_dir) is None and stop.requested_by(run_dir) is None
+    stop.request(run_dir)
+    assert stop.requested_by(run_dir) == "stop-file"  # a person's touch
+    stop.request(run_dir, stop.SCHEDULER)
+    assert stop.requested_by(run_dir) == "scheduler"
+    stop.mark_honoured(run_dir, 3)
+    assert stop.requested_by(run_dir) is None
+    for reason in stop.REASONS:
+        stop.write_record(run_dir, 9, reason)
+        assert stop.read_record(run_dir) == stop.Record(9, reason)
+    with pytest.raises(ValueError, match="not one of"):
+        stop.write_record(run_dir, 9, "tired")
+    stop.record_file(run_dir).write_text("garbage\n")
+    assert stop.read_record(run_dir) is None
+
+
+def train(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    args = [*TINY, "--run.output-dir", str(tmp_path / "runs"), "--run.name", "r", *extra]
     return subprocess.run(
         [sys.executable, "-m", "job", "train", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
@@ -61,7 +84,28 @@ def test_request_before_start_is_honoured_after_the_first_step_then_discarded(tm
     assert first.returncode == EXIT_PREEMPTED, first.stdout[-2000:] + first.stderr[-2000:]
     assert "saving at step 1" in first.stdout and (run_dir / "step-0000001").is_dir()
     assert stop.is_honoured(run_dir) and "step=1" in stop.stop_file(run_dir).read_text()
+    assert stop.read_record(run_dir) == stop.Record(1, "stop-file")
     second = train(tmp_path)  # the same command again: the honoured request does not stop it
     assert second.returncode == EXIT_OK, second.stdout[-2000:] + second.stderr[-2000:]
     assert "resumed from" in second.stdout and "FINAL step=4" in second.stdout
     assert not stop.stop_file(run_dir).exists()
+    assert stop.read_record(run_dir) is None, "a finished attempt leaves no stop record"
+
+
+def test_time_budget_stops_every_rank_at_one_step_saves_and_records_it(tmp_path: Path) -> None:
+    """train.max_time counts from process start: a budget spent before the first step (a millisecond) stops
+    both ranks after the first step they start, agreed by the stop vote; the save and the record follow, and
+    the next attempt (the launcher's requeue) resumes from it."""
+    run_dir = tmp_path / "runs" / "r"
+    launch = [sys.executable, "-m", "job", "launch", "--standalone", "--nproc-per-node", "2", "--"]
+    args = [*TINY, "--run.output-dir", str(tmp_path / "runs"), "--run.name", "r", "--train.global-batch-size", "8"]
+    first = subprocess.run([*launch, *args, "--train.max-time", "0.001"], capture_output=True, text=True, timeout=300)
+    out = first.stdout + first.stderr
+    assert first.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert len(re.findall(r"stop requested \(time budget: train.max_time spent\): saving at step 1 ", out)) == 2, out
+    assert stop.read_record(run_dir) == stop.Record(1, "time-budget")
+    assert "stop save of step 1 (time-budget); exit code 143" in out, out[-2000:]
+    second = subprocess.run([*launch, *args, "--train.max-time", "1h30m"], capture_output=True, text=True, timeout=300)
+    out = second.stdout + second.stderr
+    assert second.returncode == EXIT_OK, out[-3000:]
+    assert "resumed from" in out and "FINAL step=4" in out

@@ -28,6 +28,7 @@ MAY_CHANGE = (
     "train.steps",
     "train.eval_every",
     "train.stop_signals",
+    "train.max_time",  # one attempt's budget: the next attempt may have another
     "train.max_nonfinite_skips",
     "ckpt.",
     "log.",

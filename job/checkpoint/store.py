@@ -101,6 +101,15 @@ def scan(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def held_bytes(run_dir: Path) -> int:
+    """Bytes of the checkpoints ``run_dir`` holds: its step directories and the torn saves the next start
+    removes. Pruning reuses this space, so a rerun needs room only for the rest of its checkpoints."""
+    if not run_dir.is_dir():
+        return 0
+    dirs = [p for p in run_dir.glob("step-*") if p.is_dir() and (STEP_DIR.match(p.name) or ".tmp-" in p.name)]
+    return sum(f.stat().st_size for d in dirs for f in d.rglob("*") if f.is_file())
+
+
 def find_latest(run_dir: Path) -> Found | None:
     """The newest checkpoint that verifies; newer broken ones are skipped with a warning naming the file."""
     for step, path in scan(run_dir):

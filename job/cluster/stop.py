@@ -28,7 +28,9 @@ at that step's boundary).
 
 from __future__ import annotations
 
+import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 STOP_FILE = "STOP"
@@ -48,10 +50,29 @@ def stop_file(run_dir: Path) -> Path:
     return run_dir / STOP_FILE
 
 
-def request(run_dir: Path) -> None:
-    """Ask the run in ``run_dir`` to stop after the next step it starts (creates the directory if needed)."""
+SCHEDULER = "scheduler"
+"""What a scheduler's request writes into the STOP file (the sbatch trap, the submit task): the record's reason
+is then ``scheduler``; an empty file (a person's ``touch``) is ``stop-file``."""
+
+
+def request(run_dir: Path, by: str = "") -> None:
+    """Ask the run in ``run_dir`` to stop after the next step it starts (creates the directory if needed);
+    ``by`` is ``SCHEDULER`` for a scheduler's request, else empty."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    stop_file(run_dir).write_text("")
+    stop_file(run_dir).write_text(by)
+
+
+def requested_by(run_dir: Path) -> str | None:
+    """The reason of a request in the STOP file (``scheduler`` or ``stop-file``), None without a request."""
+    try:
+        text = stop_file(run_dir).read_text().strip()
+    except OSError:
+        return None
+    if text.startswith(HONOURED):
+        return None
+    if text == SCHEDULER:
+        return "scheduler"
+    return "stop-file"
 
 
 def is_honoured(run_dir: Path) -> bool:
@@ -75,8 +96,70 @@ def discard_honoured(run_dir: Path) -> bool:
 
 
 def begin_attempt(run_dir: Path) -> None:
-    """A launcher starting a new attempt of a job: no request of an earlier attempt may stop this one."""
+    """A launcher starting a new attempt of a job: no request or record of an earlier attempt may stop or
+    speak for this one."""
     stop_file(run_dir).unlink(missing_ok=True)
+    clear_record(run_dir)
+
+
+RECORD_FILE = "STOPPED"
+"""``<run_dir>/STOPPED``: why and where the run stopped, written by rank 0 once the stop save is on storage.
+One line, ``step=<step> reason=<reason>``: ``slurm/train.sbatch`` reads it with ``sed`` (it cannot import
+this module; tests/test_slurm_golden.py checks that it reads what ``write_record`` writes)."""
+
+REASONS = ("signal", "stop-file", "time-budget", "scheduler")
+"""Why a run stopped: a stop signal, the STOP file (a person or a shell launcher), ``train.max_time`` spent,
+or a scheduler's request (submitit's signal, which the submit task turns into the STOP file)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    step: int
+    reason: str
+
+
+def record_file(run_dir: Path) -> Path:
+    return run_dir / RECORD_FILE
+
+
+def write_record(run_dir: Path, step: int, reason: str) -> None:
+    """Rank 0, after the stop checkpoint of ``step`` is on storage (atomic: a reader sees all or nothing)."""
+    if reason not in REASONS:
+        raise ValueError(f"stop reason {reason!r} is not one of {REASONS}")
+    tmp = record_file(run_dir).with_name(f".{RECORD_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(f"step={step} reason={reason}\n")
+    os.replace(tmp, record_file(run_dir))
+
+
+def read_record(run_dir: Path) -> Record | None:
+    """The run's stop record, None if there is none (or it is not one that ``write_record`` wrote)."""
+    try:
+        fields = dict(kv.split("=", 1) for kv in record_file(run_dir).read_text().split())
+        return Record(int(fields["step"]), fields["reason"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def clear_record(run_dir: Path) -> None:
+    """A trainer or launcher starting an attempt: a record is only ever about the attempt that wrote it."""
+    record_file(run_dir).unlink(missing_ok=True)
+
+
+def _stop_signums() -> list[int]:
+    return [getattr(signal, name) for name in STOP_SIGNALS]
+
+
+def block_stop_signals() -> set[int]:
+    """Hold the stop signals pending in the calling thread (a forked child inherits the mask); returns the
+    mask before, for ``unblock_stop_signals``. Wrapped around the start of DataLoader workers: see
+    ``ignore_stop_signals``."""
+    return set(signal.pthread_sigmask(signal.SIG_BLOCK, _stop_signums()))
+
+
+def unblock_stop_signals(before: set[int] | None = None) -> None:
+    """Deliver the stop signals held by ``block_stop_signals`` (all of them, or those not blocked ``before``)."""
+    signums = [s for s in _stop_signums() if before is None or s not in before]
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
 
 
 def ignore_stop_signals(worker_id: int = 0) -> None:
@@ -86,6 +169,13 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     rank's DataLoader workers. A worker killed by it makes the DataLoader raise ("worker ... is killed by
     signal: Terminated") in the trainer before it reaches the step boundary and saves. Workers still
     exit with their trainer (DataLoader's parent watchdog) and on SIGKILL.
+
+    torch installs its own SIGTERM handler in a worker before it calls ``worker_init_fn``
+    (torch/utils/data/_utils/worker.py), and that handler kills the worker on a SIGTERM that its parent did
+    not send: a group signal landing while the workers start. So the trainer starts its workers with the stop
+    signals blocked (``block_stop_signals``, inherited through fork): a signal in that window stays pending
+    in the worker, is discarded here when its disposition becomes "ignore", and only then are they unblocked.
     """
-    for name in STOP_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    for signum in _stop_signums():
+        signal.signal(signum, signal.SIG_IGN)
+    unblock_stop_signals()

@@ -14,6 +14,7 @@ accumulation steps, scaled LR) live in ``job.config.plan``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,17 +42,21 @@ DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``: a positive number with an optional unit of ``DURATION_UNITS`` ("90s", "1.5h")."""
+    """Seconds in ``text``: a positive number with an optional unit of ``DURATION_UNITS`` ("90s", "1.5h"), or
+    several with units, largest first ("1h30m")."""
     raw = str(text).strip().lower()
-    scale = DURATION_UNITS.get(raw[-1:], 0.0)
-    number = raw[:-1] if scale else raw
-    try:
-        seconds = float(number) * (scale or 1.0)
-    except ValueError:
-        seconds = float("nan")
+    parts = _DURATION_PART.findall(raw)
+    seconds = float("nan")
+    if parts and "".join(n + u for n, u in parts) == raw and (len(parts) == 1 or all(u for _, u in parts)):
+        seconds = sum(float(n) * DURATION_UNITS.get(u, 1.0) for n, u in parts)
     if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{text!r} is not a positive duration; write a number with s, m, h or d, e.g. 6h or 30m")
+        raise ValueError(
+            f"{text!r} is not a positive duration; write a number with s, m, h or d, e.g. 6h, 30m or 1h30m"
+        )
     return seconds
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
 
 
 class RunConfig(BaseModel):
@@ -296,6 +301,23 @@ class TrainConfig(BaseModel):
     row."""
     stop_signals: tuple[str, ...] = STOP_SIGNALS
     """Signals that request save-and-exit (exit code 143). Remove one to leave it to another handler."""
+    max_time: str | None = None
+    """The time budget of one attempt, from process start (a duration: 90s, 30m, 1h30m, 2d or seconds; None:
+    none). When spent, the ranks agree on a step, save and exit 143 with reason time-budget, and the launcher
+    requeues: an attempt fits a scheduler's time limit. Unlike Lightning's max_time it does not end training."""
+
+    @field_validator("max_time")
+    @classmethod
+    def _max_time_is_a_duration(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v)
+        return v
+
+    @property
+    def max_time_s(self) -> float | None:
+        if self.max_time is None:
+            return None
+        return parse_duration(self.max_time)
 
     @field_validator("stop_signals")
     @classmethod
@@ -472,6 +494,9 @@ class DebugConfig(BaseModel):
     """Delay only these (1-based) steps; empty: every step."""
     ckpt_write_delay_s: float = Field(0.0, ge=0)
     """The checkpoint writer sleeps this long before writing (lands signals during a save)."""
+    signal_group_at_worker_start: Literal["", "train", "val"] = ""
+    """The first DataLoader worker of this loader sends SIGTERM to its rank's process group as it starts, before
+    it can ignore stop signals: a launcher's group signal landing while the workers start ("": off)."""
 
 
 class JobConfig(BaseSettings):

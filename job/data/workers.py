@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from job.cluster.stop import ignore_stop_signals
+from job.cluster.stop import block_stop_signals, ignore_stop_signals, unblock_stop_signals
 from job.errors import BadInput, JobError
 
 _WORKERS: weakref.WeakSet[multiprocessing.process.BaseProcess] = weakref.WeakSet()
@@ -29,7 +29,13 @@ class WorkerTrackingLoader(DataLoader):
     """A DataLoader that records its worker processes, so that `kill_workers` finds them."""
 
     def _get_iterator(self):  # type: ignore[no-untyped-def]
-        it = super()._get_iterator()
+        # Workers start with the stop signals blocked (a group signal now must not reach torch's handler in a
+        # worker, job.cluster.stop.ignore_stop_signals); the trainer's own pending signal arrives after.
+        before = block_stop_signals()
+        try:
+            it = super()._get_iterator()
+        finally:
+            unblock_stop_signals(before)
         if not _WORKERS:
             atexit.unregister(kill_workers)
             atexit.register(kill_workers)  # after multiprocessing's hook, so it runs before it

@@ -18,15 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from job.checkpoint import store as ckpt
 from job.cluster.env import DistEnv
 from job.config import DataConfig, JobConfig
 from job.errors import BadInput
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
-# A FAIL in these can go away by itself (a pod whose DNS name appears late, a peer that restarts): exit 1
-# ("restart may help"). Every other FAIL is the input's fault: exit 2 ("do not retry").
-TRANSIENT = ("rendezvous", "communication")
+# A FAIL in these can go away by itself (a pod whose DNS name appears late, a peer that restarts, a disk that
+# is freed): exit 1 ("restart may help"). Every other FAIL is the input's fault: exit 2 ("do not retry").
+TRANSIENT = ("rendezvous", "communication", "storage.space")
 
 
 @dataclass
@@ -293,18 +294,29 @@ def check_run_dir(run_dir: Path, ckpt_bytes: int, keep_last: int, create: bool) 
             )
         ]
     checks = [Check("storage.writable", PASS, f"run directory {run_dir} writable (probe in {existing})")]
+    checks.append(check_space(run_dir, existing, ckpt_bytes, keep_last))
+    return checks
+
+
+def check_space(run_dir: Path, existing: Path, ckpt_bytes: int, keep_last: int) -> Check:
+    """Free space for keep_last checkpoints plus the one being written, less what the run's own checkpoints
+    already hold (pruning deletes them as new ones are written), but always room for one more. A FAIL is
+    transient (exit 1): freeing space heals it."""
     free = shutil.disk_usage(existing).free
-    need = ckpt_bytes * (keep_last + 1)
+    total = ckpt_bytes * (keep_last + 1)
+    held = ckpt.held_bytes(run_dir)
+    need = max(total - held, ckpt_bytes)
     mb = 2**20
     text = (
-        f"{free / mb:.0f} MiB free at {existing}; checkpoints need about {need / mb:.0f} MiB "
+        f"{free / mb:.0f} MiB free at {existing}; checkpoints need about {total / mb:.0f} MiB "
         f"({ckpt_bytes / mb:.1f} MiB x (ckpt.keep_last={keep_last} + 1 being written))"
     )
-    data = {"free_bytes": free, "need_bytes": need, "checkpoint_bytes": ckpt_bytes}
+    if held:
+        text += f", {need / mb:.0f} MiB more than the {held / mb:.0f} MiB of checkpoints the run holds"
+    data = {"free_bytes": free, "need_bytes": need, "held_bytes": held, "checkpoint_bytes": ckpt_bytes}
     fix = "free space, point run.output_dir elsewhere, or lower ckpt.keep_last"
     status = FAIL if free < need else (WARN if free < 2 * need else PASS)
-    checks.append(Check("storage.space", status, text, fix if status != PASS else "", data))
-    return checks
+    return Check("storage.space", status, text, fix if status != PASS else "", data)
 
 
 def check_data(cfg: JobConfig, describe_data: Callable[[DataConfig], str]) -> Check:

@@ -12,7 +12,8 @@ Runs under any launcher exactly like ``train`` (same ``load_config``, same ``det
    backend's sweep of sizes (``doctor.comm_sizes_kb``) with algorithm and bus bandwidth as nccl-tests define them.
 
 Rank 0 prints one line per check (worst status over ranks) and writes ``run_dir/doctor.json``. Exit code:
-0 without FAIL; 1 when only rendezvous/communication failed (may heal on restart); 2 otherwise (bad input).
+0 without FAIL; 1 when only rendezvous/communication/storage space failed (may heal on restart); 2 otherwise
+(bad input).
 ``train`` runs the quick variant (no bandwidth sweep) unless doctor.enabled=false, in two halves around the
 process group that train creates itself: ``quick_local`` before it, ``quick_group`` on it.
 """

@@ -20,8 +20,11 @@ import os
 import signal
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from job.checkpoint import store as ckpt
+from job.cluster import stop
 from job.cluster.env import NOTICE_VAR, launcher_notice_s
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
 
@@ -177,6 +180,49 @@ def map_exit_codes(exitcodes: Iterable[int]) -> int:
     return max(_code(failed[0]), EXIT_FAILURE) if failed else EXIT_FAILURE
 
 
+def _describe(exitcode: int) -> str:
+    """A worker's code as it ended: a returned 143 (it saved) is not a death by SIGTERM, whatever 128 + N says."""
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return str(exitcode)
+
+
+def run_dir_of(job_args: Sequence[str], environ: Mapping[str, str]) -> Path | None:
+    """The run directory of ``train`` with these arguments (None for ``doctor``, or if the config does not load:
+    the workers report that themselves, with exit 2)."""
+    command, rest = split_command(job_args)
+    if command != "train":
+        return None
+    from job.config import load_config
+
+    try:
+        return load_config(rest, environ).run_dir
+    except Exception:  # any config error is the workers' to report (exit 2)
+        return None
+
+
+def stop_saved(run_dir: Path | None) -> stop.Record | None:
+    """The stop record of this attempt, if the checkpoint of its step is on storage (its manifest, written
+    last, exists): only then does 143 tell the truth."""
+    if run_dir is None:
+        return None
+    record = stop.read_record(run_dir)
+    if record is None or not (run_dir / ckpt.step_dir_name(record.step) / ckpt.MANIFEST).is_file():
+        return None
+    return record
+
+
+def confirm_preempted(result: int, run_dir: Path | None) -> tuple[int, str]:
+    """(exit code, what to add to the message): 143 only with a stop save on storage, else 1 (a lost save)."""
+    if result != EXIT_PREEMPTED:
+        return result, ""
+    record = stop_saved(run_dir)
+    if record is None:
+        where = stop.record_file(run_dir) if run_dir is not None else "the run directory's stop record"
+        return EXIT_FAILURE, f"; no stop save for this attempt (no {where}): the save was lost"
+    return EXIT_PREEMPTED, f"; stop save of step {record.step} ({record.reason})"
+
+
 def _first_failure_order(failures: dict) -> list[int]:
     """Exit codes, first failure first. torchrun records failures in the order it saw them (the real
     failure, then the peers it terminated); timestamps have one-second resolution, so a stable sort by
@@ -200,23 +246,30 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
     shutdown_timeout = getattr(args, "shutdown_timeout", None)
     os.environ[NOTICE_VAR] = f"{worker_notice_s(shutdown_timeout, os.environ):g}"  # workers inherit it
 
+    run_dir = run_dir_of(args.training_script_args, os.environ)
+    if run_dir is not None:
+        stop.clear_record(run_dir)  # this attempt's workers write their own
     exits: list[int] = []
     try:
         with _recording_worker_exits(exits):
             _run(args)
     except ChildFailedError as e:
         codes = _first_failure_order(e.failures)
-        result = map_exit_codes(codes)
-        detail = ", ".join(f"rank {rank}: {_code(f.exitcode)}" for rank, f in sorted(e.failures.items()))
-        print(f"ddp-job launch: workers failed ({detail}); exit code {result}", file=sys.stderr, flush=True)
+        result, why = confirm_preempted(map_exit_codes(codes), run_dir)
+        detail = ", ".join(f"rank {rank}: {_describe(f.exitcode)}" for rank, f in sorted(e.failures.items()))
+        print(f"ddp-job launch: workers failed ({detail}){why}; exit code {result}", file=sys.stderr, flush=True)
         return result
     except SignalException as e:
         # torchrun forwarded the signal to the workers and waited for them (--shutdown-timeout). Workers that
-        # stopped cleanly saved a checkpoint and returned 143: then this launch is "preempted, resume me".
+        # stopped cleanly saved a checkpoint, rank 0 wrote the stop record, and they returned 143: then this
+        # launch is "preempted, resume me". Anything else lost the save: 1, never 128 + SIGTERM.
         sig = int(e.sigval)
-        result = EXIT_PREEMPTED if EXIT_PREEMPTED in exits else 128 + sig
+        result, why = confirm_preempted(EXIT_PREEMPTED, run_dir)
+        if EXIT_PREEMPTED not in exits:
+            result, why = EXIT_FAILURE, "; no worker returned 143 after saving: the save was lost"
         print(
-            f"ddp-job launch: got {signal.Signals(sig).name}; worker exit codes {[_code(c) for c in exits]}; exit code {result}",
+            f"ddp-job launch: got {signal.Signals(sig).name}; workers ended "
+            f"[{', '.join(_describe(c) for c in exits)}]{why}; exit code {result}",
             file=sys.stderr,
             flush=True,
         )

@@ -146,6 +146,13 @@ def all_reduce_max_flag(flag: bool, rt: Runtime) -> bool:
     return bool(t.item())
 
 
+def any_flags(flags: list[bool], rt: Runtime) -> list[bool]:
+    """Element-wise: True on every rank where it was True on any rank (one all-reduce on the control group)."""
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.control_group)
+    return [bool(v) for v in t.tolist()]
+
+
 class StepFlagVote:
     """The stop vote of one step, all-reduced while the step computes: ``start(flag)`` before the step,
     ``agreed()`` at its boundary, True on every rank if any rank's flag was set at ``start``.

@@ -7,6 +7,8 @@ training step has no test-only branch and pays nothing when they are off.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +49,29 @@ class Straggler:
             time.sleep(self.delay_s)
 
 
+class SignalGroupAtStart:
+    """A DataLoader ``worker_init_fn`` that first sends SIGTERM to the worker's process group (worker 0 only),
+    then runs the loader's own: the signal lands after torch's worker set its handlers, before ours ran."""
+
+    def __init__(self, init_fn: Callable[[int], None] | None) -> None:
+        self.init_fn = init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        if worker_id == 0:
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+        if self.init_fn is not None:
+            self.init_fn(worker_id)
+
+
+def _signal_group_at_worker_start(loaders: Any, which: str) -> None:
+    loader = getattr(getattr(loaders, which), "loader", None)
+    if loader is None or not loader.num_workers:
+        log.warning("debug.signal_group_at_worker_start=%s: that loader has no worker processes", which)
+        return
+    log.warning("debug.signal_group_at_worker_start=%s: its first worker sends SIGTERM to its group", which)
+    loader.worker_init_fn = SignalGroupAtStart(loader.worker_init_fn)
+
+
 def install(cfg: DebugConfig, rank: int, parts: Any, state: Any) -> None:
     """Install the aids that ``cfg`` switches on into ``parts`` (the run's ``Parts``)."""
     if cfg.nan_at_steps:
@@ -55,3 +80,5 @@ def install(cfg: DebugConfig, rank: int, parts: Any, state: Any) -> None:
     if cfg.straggler_delay_s > 0 and cfg.straggler_rank == rank:
         log.warning("debug.straggler_delay_s=%s: this rank sleeps before its forward pass", cfg.straggler_delay_s)
         parts.raw_model.register_forward_pre_hook(Straggler(cfg, state))
+    if cfg.signal_group_at_worker_start:
+        _signal_group_at_worker_start(parts.loaders, cfg.signal_group_at_worker_start)

@@ -114,8 +114,11 @@ def stop_agreed(run: Run) -> bool:
 
 
 def preempted(run: Run) -> int:
+    """The stop save of the agreed step, then the stop record (rank 0, once the save is on storage: what every
+    launcher reads to tell "saved, requeue me" from a lost save), then exit 143 on every rank."""
     step = run.state.step
     run.parts.guard.check(step, run.state)
+    reasons = distributed.any_flags(run.stop.reasons(), run.rt)
     log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
     run.checkpointer.save(step)
     run.writer.commit()
@@ -124,7 +127,7 @@ def preempted(run: Run) -> int:
     run.checkpointer.manager.wait()
     run.reporter.close(status(run))
     if run.env.is_main:
-        run.stop.honoured(step)
+        run.stop.record(step, reasons)
     distributed.barrier(run.rt)
     return EXIT_PREEMPTED
 

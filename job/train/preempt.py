@@ -26,8 +26,10 @@ the ``--signal`` lead time; Kubernetes: terminationGracePeriodSeconds). A second
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
@@ -38,12 +40,32 @@ from job.errors import EXIT_PREEMPTED
 log = logging.getLogger("job")
 
 
-class StopRequest:
-    """Set by signal handlers or the stop file; read by the loop at step boundaries."""
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere: since this module was imported)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
 
-    def __init__(self, run_dir: Path) -> None:
+
+_IMPORTED = time.monotonic()
+
+
+class StopRequest:
+    """Set by signal handlers, the stop file or the time budget; read by the loop at step boundaries.
+
+    ``max_time_s``: the budget of this attempt from process start (``train.max_time``). Each rank reads its own
+    clock; the stop vote ORs the ranks' flags, so they stop at the same step whichever rank's budget ran out.
+    """
+
+    def __init__(self, run_dir: Path, max_time_s: float | None = None) -> None:
         self.run_dir = run_dir
         self.stop_file = stop.stop_file(run_dir)
+        self.deadline: float | None = None
+        if max_time_s is not None:
+            self.deadline = time.monotonic() + max_time_s - process_age_s()
         self.signal_name: str | None = None
         self.signals_received = 0
         self.where = "start-up"
@@ -89,14 +111,33 @@ class StopRequest:
                 EXIT_PREEMPTED,
             )
 
-    def honoured(self, step: int) -> None:
-        """Rank 0, once the stop checkpoint of ``step`` is on disk."""
-        stop.mark_honoured(self.run_dir, step)
+    def budget_spent(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def local(self) -> bool:
-        return self.signal_name is not None or self.stop_file.exists()
+        return self.signal_name is not None or self.stop_file.exists() or self.budget_spent()
+
+    def reasons(self) -> list[bool]:
+        """This rank's reasons to stop, one flag per ``job.cluster.stop.REASONS`` (agreed over the ranks with
+        ``job.parallel.distributed.any_flags`` before the record is written)."""
+        by = stop.requested_by(self.run_dir)
+        mine = {"signal": self.signal_name is not None, "time-budget": self.budget_spent()}
+        if by is not None:
+            mine[by] = True
+        return [mine.get(r, False) for r in stop.REASONS]
 
     def reason(self) -> str:
         if self.signal_name:
             return f"signal {self.signal_name}, received during {self.received_during}"
-        return f"stop file {self.stop_file}"
+        if self.stop_file.exists():
+            return f"stop file {self.stop_file}"
+        if self.budget_spent():
+            return "time budget: train.max_time spent"
+        return "another rank's request"
+
+    def record(self, step: int, reasons: list[bool]) -> None:
+        """Rank 0, once the stop checkpoint of ``step`` is on storage: the stop record every launcher acts on
+        (``job.cluster.stop.write_record``), and the STOP file's request marked honoured."""
+        reason = next((r for r, f in zip(stop.REASONS, reasons, strict=True) if f), "signal")
+        stop.mark_honoured(self.run_dir, step)
+        stop.write_record(self.run_dir, step, reason)

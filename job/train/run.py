@@ -27,6 +27,7 @@ from job.checkpoint.resume import agree_on_checkpoint, find_resume
 from job.checkpoint.states import Layout, ModelState, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
 from job.cluster.env import NOTICE_VAR, DistEnv, detect_env, interruptions, launcher_notice_s
+from job.cluster.stop import clear_record
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
 from job.doctor import phases as doctor
@@ -146,7 +147,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
 def run(cfg: JobConfig, env: DistEnv, pre: Preflight, rt: distributed.Runtime) -> int:
     """Build the run, restore it, train. Cleanup (signal handlers, writers, an in-flight save) runs on every
     exit path, exceptions included."""
-    stop = StopRequest(cfg.run_dir)
+    stop = StopRequest(cfg.run_dir, cfg.train.max_time_s)
     if _drained_after_restart(stop, rt):
         return EXIT_PREEMPTED
     start_run_dir(cfg, env, pre.plan, stop, rt)
@@ -246,6 +247,7 @@ def start_run_dir(cfg: JobConfig, env: DistEnv, plan: Plan, stop: StopRequest, r
         (cfg.run_dir / "config.yaml").write_text(dump_config(cfg))
         log.info("plan: %s", plan.describe())
         stop.discard_honoured()
+        clear_record(cfg.run_dir)  # a record speaks only for the attempt that wrote it (job.cluster.stop)
     distributed.barrier(rt)
 
 

@@ -5,7 +5,10 @@ then exit with `code`. On SIGTERM/SIGINT it records the signal in $LAUNCH_TEST_D
 with LAUNCH_TEST_ON_SIGNAL (143: a worker that "saved"; "own": its planned code, so the codes the
 agent reports do not depend on which worker it saw first) or, if that is unset, dies by the signal's
 default action. It writes $LAUNCH_TEST_DIR/ready-<rank> once its handlers are installed and its argv to
-$LAUNCH_TEST_DIR/argv-<rank>.
+$LAUNCH_TEST_DIR/argv-<rank>, then waits until every rank is ready before its delay: which worker ends first
+never depends on how fast the machine starts them. A worker that exits 143 with LAUNCH_TEST_RUN_DIR set
+"saves" as the trainer does: it writes the stop record of step 1 (job.cluster.stop), whose checkpoint the test
+made.
 """
 
 import json
@@ -13,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> int:
@@ -26,13 +30,21 @@ def main() -> int:
     code, delay = plan.get(rank, (0, 0.0))
     on_signal = os.environ.get("LAUNCH_TEST_ON_SIGNAL")
 
+    def leave(exit_code):
+        run_dir = os.environ.get("LAUNCH_TEST_RUN_DIR")
+        if exit_code == 143 and run_dir:
+            from job.cluster import stop  # no torch: the checkpoint itself is the test's to make
+
+            stop.write_record(Path(run_dir), 1, "signal")
+        os._exit(exit_code)
+
     def handler(signum, _frame):
         with open(os.path.join(out, f"signal-{rank}"), "w") as f:
             f.write(signal.Signals(signum).name)
         if on_signal is None:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-        os._exit(code if on_signal == "own" else int(on_signal))
+        leave(code if on_signal == "own" else int(on_signal))
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -54,8 +66,11 @@ def main() -> int:
             f,
         )
     open(os.path.join(out, f"ready-{rank}"), "w").close()
+    world_size = int(os.environ["WORLD_SIZE"])
+    while not all(os.path.exists(os.path.join(out, f"ready-{r}")) for r in range(world_size)):
+        time.sleep(0.05)
     time.sleep(delay)
-    return code
+    leave(code)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,11 @@ class TrainTask(submitit.helpers.Checkpointable):
         if code == EXIT_PREEMPTED:
             sys.stdout.flush()
             sys.stderr.flush()
-            if chain.requested and dist_env.rank == 0:
+            # The stop record, not this task's own signal, says whether a stop save exists: a saved stop is
+            # requeued whatever asked for it (submitit's signal, a STOP file, train.max_time), except a stop
+            # signal to the trainer itself: that is Slurm's SIGTERM, and Slurm requeues or ends the job.
+            record = stop.read_record(run_dir)
+            if record is not None and record.reason != "signal" and dist_env.rank == 0:
                 chain.call_submitit(usr_sig)  # checkpoint() + scontrol requeue + exit (or raises)
             # No result file: the job is being requeued (by submitit above or by Slurm after SIGTERM)
             # or was cancelled; a result would make the next attempt look finished.
@@ -112,7 +116,6 @@ class _SignalChain:
 
     def __init__(self, signum: int, run_dir: Path, rank: int, grace_s: int) -> None:
         self.signum, self.run_dir, self.rank, self.grace_s = signum, run_dir, rank, grace_s
-        self.requested = False
         self._submitit_handler: Any = None
 
     def install(self) -> None:
@@ -122,9 +125,8 @@ class _SignalChain:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # The one exception to "handlers only set a flag": the flag other ranks and nodes must see is a
         # file. One small write, no locks; the trainer acts on it at its next step boundary.
-        self.requested = True
         try:
-            stop.request(self.run_dir)
+            stop.request(self.run_dir, stop.SCHEDULER)
         except OSError as err:
             print(f"submit task: cannot write {stop.stop_file(self.run_dir)}: {err}", file=sys.stderr, flush=True)
         print(
