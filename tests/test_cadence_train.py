@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 DELAY = 5.0
 """Far above the stall of a sync save of the small model (0.3 s idle, up to 1.6 s measured on a loaded machine)."""
-CHOICE = re.compile(r"every (\d+) steps, ([\d.]+) s of work\): save stall ([\d.]+) s .*?MTBF (\d+) s.*?step ([\d.]+) s")
+CHOICE = re.compile(r"every (\d+) steps, ([\d.]+) s of work\): save cost ([\d.]+) s .*?MTBF (\d+) s.*?step ([\d.]+) s")
 
 
 def _choices(tmp_path: Path, name: str, delay: float) -> list[tuple[float, ...]]:

@@ -312,10 +312,10 @@ class CkptConfig(BaseModel):
     model_config = _SECTION
     every: int | Literal["auto"] = 0
     """Save every N optimizer steps (0: only at the end and on preemption), or auto: the interval that wastes
-    least for the measured save stall and ckpt.mtbf (Daly's optimum, docs/checkpoint-interval.md)."""
+    least for the measured save cost and ckpt.mtbf (Daly's optimum, docs/checkpoint-interval.md)."""
     mtbf: str = "24h"
-    """ckpt.every=auto: mean time between interruptions of this job (a duration: 90s, 30m, 6h, 2d or seconds);
-    refined from the launcher's restart counts once the job has been interrupted."""
+    """ckpt.every=auto: mean time between failures of this job (a duration: 90s, 30m, 6h, 2d or seconds);
+    refined from the launcher's restart counts, less the restarts after a stop save, once the job has failed."""
     grace_s: float = Field(0.0, ge=0)
     """Seconds from a stop signal to the launcher's hard kill, where known (Slurm --signal lead time, the pod's
     terminationGracePeriodSeconds; 0: unknown). ckpt.every=auto warns when a measured save does not fit in it."""

@@ -115,7 +115,7 @@ def preempted(run: Run) -> int:
     step = run.state.step
     run.parts.guard.check(step, run.state)
     log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
-    run.checkpointer.save(step)
+    run.checkpointer.save(step, stop=True)
     # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
     # nobody exits before rank 0's checkpoint is on disk.
     run.checkpointer.manager.wait()
