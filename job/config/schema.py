@@ -15,7 +15,7 @@ accumulation steps, scaled LR) live in ``job.config.plan``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
@@ -466,6 +466,9 @@ class DebugConfig(BaseModel):
     """Delay only these (1-based) steps; empty: every step."""
     ckpt_write_delay_s: float = Field(0.0, ge=0)
     """The checkpoint writer sleeps this long before writing (lands signals during a save)."""
+    ckpt_save_delay_s_by_rank: tuple[Annotated[float, Field(ge=0)], ...] = ()
+    """Rank i sleeps the i-th value (seconds; none past the end) in each save, before it returns to training:
+    gives the ranks different save stalls (ckpt.every=auto must still save on every rank at the same steps)."""
 
 
 class JobConfig(BaseSettings):
