@@ -132,6 +132,10 @@ class Rollback:
             for t, before in saved:
                 t.copy_(before)
 
+    def copy_bytes(self) -> int:
+        """The device memory the copy keeps between steps."""
+        return sum(c.copy.nbytes for c in self._chunks)
+
     def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         on_device, on_host = [], []
