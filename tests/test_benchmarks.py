@@ -284,6 +284,16 @@ def test_crops_quick_states_the_batched_crop_tolerance(tmp_path):
     assert close(t["per_image_over_batched"], t["per_image"]["median"] / t["batched"]["median"])
 
 
+def test_rollback_quick_counts_five_passes_and_one_copy(tmp_path):
+    """The bytes beside the update are the copy (2 passes) and the select in place (3), whatever the flag; the
+    flag's own bytes (one per select) are all that is left over."""
+    out = bench(tmp_path, "rollback")
+    for r in out["results"]:
+        for flag in ("flag_0", "flag_1"):
+            assert 5 * r["tracked_bytes"] <= r["rollback_bytes"][flag] < 5 * r["tracked_bytes"] + 4096, r
+        assert r["copy_bytes"] == r["tracked_bytes"] and r["update_bytes"] > r["tracked_bytes"]
+
+
 GPU_RUN = ROOT / "tools" / "gpu_run.sh"
 
 

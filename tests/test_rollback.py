@@ -6,11 +6,17 @@ CUDA run keeps on the host)."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import ROOT
+from support.ci import bin_path
+from support.cli import base_env
 from timm.optim import Lamb, Lars
 from torch import nn
 
@@ -126,3 +132,25 @@ def test_chunks_split_by_dtype_and_size() -> None:
     assert [[t.numel() for t in c.tensors] for c in got] == [[10, 10], [30], [4]]
     assert [c.copy.dtype for c in got] == [torch.float32, torch.float32, torch.float64]
     assert [c.copy.numel() for c in got] == [20, 30, 4]
+
+
+def test_zero_restores_its_shard_before_the_broadcast(tmp_path: Path) -> None:
+    """ZeRO over 2 real torchrun ranks: each rank copies and restores only its shard, before the shards are
+    broadcast, and every rank holds the whole model after each step, and its optimizer shard, bitwise equal to the skipped
+    updates never run (tests/support/rollback_worker.py)."""
+    out = tmp_path / "result"
+    cmd = [
+        bin_path("torchrun"),
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "tests" / "support" / "rollback_worker.py"),
+    ]
+    r = subprocess.run([*cmd, str(out)], env=base_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    for res in results:
+        assert res["model_same"] == [True] * 6 and res["state_same"] and res["moved"], res
+        assert res["copy_bytes"] < (res["model_bytes"] + res["state_bytes"])  # the shard, not the whole model
+    assert sum(res["copy_bytes"] for res in results) == results[0]["model_bytes"] + sum(
+        r["state_bytes"] for r in results
+    )

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.fake_cuda import FakeEvents
-from support.runs import tiny_args
+from support.runs import assert_bitwise_equal, tiny_args
 from torch import nn
 
 import job.data
@@ -227,6 +227,50 @@ def test_optimizers_without_found_inf_skip_without_a_host_read(
     assert all(torch.isfinite(p).all() for p in parts.raw_model.parameters())
     moved = [k for k, v in parts.raw_model.state_dict().items() if not torch.equal(v, before[k])]
     assert moved  # step 2's update ran
+
+
+def run_with_a_nonfinite_step(
+    runtime: distributed.Runtime, tmp_path: Path, optimizer: list[str], rollback: bool
+) -> tuple[Parts, TrainState, dict[str, Any]]:
+    """Five real steps, the gradients of steps 3 and 4 non-finite, an EMA; ``rollback``: their updates run and are
+    undone (job.train.rollback, with the late host restore of the step counts as on a GPU), else never run (the
+    flag read on the host before the update). Returns the parts, the state and the initial weights."""
+    extra = ["--optim.name", *optimizer, "--optim.momentum", "0.9", "--log.every", "100", "--train.steps", "100"]
+    extra += ["--ema.enabled", "true", "--ema.decay", "0.5", "--run.output-dir", str(tmp_path)]
+    parts, plan, cfg = build(runtime, *extra)
+    initial = copy.deepcopy(parts.raw_model.state_dict())
+    if rollback:
+        undo = Rollback(parts.optimizer, parts.device, on_host=step_counts(parts.optimizer))
+        parts.guard = NonFiniteGuard(parts.optimizer, parts.device, 100, False, rollback=undo)
+    assert (parts.guard.rollback is not None) == rollback
+    state = TrainState()
+    debug.install(cfg.debug.model_copy(update={"nan_at_steps": (3, 4)}), 0, parts, state)
+    batches = parts.loaders.batches(state)
+    outs = [train_step(parts, batches, plan, state, cfg.train) for _ in range(5)]
+    assert [bool(o.finite) for o in outs] == [True, True, False, False, True]
+    parts.guard.check(state.step, state)
+    assert state.nonfinite_skips == 2
+    return parts, state, initial
+
+
+@pytest.mark.parametrize("optimizer", [["lamb"], ["adamw", "--optim.zero", "true"]], ids=["lamb", "zero-adamw"])
+def test_a_rolled_back_step_equals_one_that_never_ran(
+    runtime: distributed.Runtime, tmp_path: Path, optimizer: list[str]
+) -> None:
+    """The real step with the rollback ends bitwise where the same steps end when the skipped updates never ran:
+    parameters and buffers, the optimizer's state (``exp_avg``, momentum, step counts), the EMA and the scaler."""
+    want, want_state, initial = run_with_a_nonfinite_step(runtime, tmp_path / "never", optimizer, rollback=False)
+    got, got_state, got_initial = run_with_a_nonfinite_step(runtime, tmp_path / "undone", optimizer, rollback=True)
+    assert_bitwise_equal(initial, got_initial, "initial weights")  # the two runs start alike
+    assert_bitwise_equal(want.raw_model.state_dict(), got.raw_model.state_dict(), "model")
+    want_opt, got_opt = local_optimizer(want.optimizer), local_optimizer(got.optimizer)
+    assert_bitwise_equal(want_opt.state_dict(), got_opt.state_dict(), "optimizer")
+    assert want.ema is not None and got.ema is not None
+    assert_bitwise_equal(want.ema.state_dict(), got.ema.state_dict(), "ema")
+    assert_bitwise_equal(want.scaler.state_dict(), got.scaler.state_dict(), "scaler")
+    assert want_state == got_state
+    moved = [k for k, v in got.raw_model.state_dict().items() if not torch.equal(v, initial[k])]
+    assert moved  # steps 1, 2 and 5 updated the model: the comparison is not between untouched ones
 
 
 class Recorder:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from support.runs import tiny_args
 
+from job.checkpoint.checkpointer import STOP_SAVES
+from job.checkpoint.store import find_latest
 from job.cluster import stop
 from job.errors import EXIT_OK, EXIT_PREEMPTED
 
@@ -85,6 +87,8 @@ def test_request_before_start_is_honoured_after_the_first_step_then_discarded(tm
     assert "saving at step 1" in first.stdout and (run_dir / "step-0000001").is_dir()
     assert stop.is_honoured(run_dir) and "step=1" in stop.stop_file(run_dir).read_text()
     assert stop.read_record(run_dir) == stop.Record(1, "stop-file")
+    stopped = find_latest(run_dir)
+    assert stopped is not None and stopped.manifest[STOP_SAVES] == 1  # ckpt.every=auto's restart is no failure
     second = train(tmp_path)  # the same command again: the honoured request does not stop it
     assert second.returncode == EXIT_OK, second.stdout[-2000:] + second.stderr[-2000:]
     assert "resumed from" in second.stdout and "FINAL step=4" in second.stdout

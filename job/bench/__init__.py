@@ -21,6 +21,7 @@ NAMES = {
     "ckpt-waste": "simulated interruptions: waste at ckpt.every=auto's interval vs 1/2x, 2x and the optimum",
     "sync-modes": "DDP ring all-reduce vs an RPC parameter server: step time, counted bytes, N = 2, 3, 4",
     "scaling": "GPU only: ResNet-50 bf16 channels_last images/s and MFU vs batch size",
+    "rollback": "bytes the non-finite rollback moves per step beside the update, and the copy it keeps",
     "crops": "the device decode path's batched crop vs per-image kernels and roi_align: pixels and ms",
 }
 USAGE = "usage: ddp-job bench NAME [--quick] [options]\n\n" + "".join(f"  {k:<12} {v}\n" for k, v in NAMES.items())

@@ -19,6 +19,9 @@ log = logging.getLogger("job")
 
 RUN_TIME = "run_time_s"
 """The manifest's record of the run's time up to the save (all attempts): what MTBF refinement divides."""
+STOP_SAVES = "stop_saves"
+"""The manifest's count of the run's attempts, up to the save, that ended with a stop save: the restarts after
+them lost no work, so ``ckpt.every: auto`` does not count them as failures (job.checkpoint.cadence.failures)."""
 
 
 class Checkpointer:
@@ -42,6 +45,7 @@ class Checkpointer:
         self.saved_at = time.monotonic()
         """When the newest save (or restore, or the start) happened: the checkpoint's age is measured from it."""
         self._run_time_s = 0.0
+        self._stop_saves = 0
         self._restored: tuple[int, float] | None = None
         self.saves = 0
         self.stalled_s = 0.0
@@ -50,7 +54,7 @@ class Checkpointer:
 
     def start(self, step: int) -> None:
         """The loop begins after ``step`` (0, or the step restored)."""
-        self.cadence.start(step, self._run_time_s)
+        self.cadence.start(step, self._run_time_s, self._stop_saves)
         self.saved_at = self._started = time.monotonic()
         if self.saved_step == step:  # restored: its work is this attempt's from now on
             self._restored = (step, self.saved_at)
@@ -65,16 +69,19 @@ class Checkpointer:
         self.states.load_state_dict(load_state(found))
         self.saved_step = found.step
         self._run_time_s = float(found.manifest.get(RUN_TIME, 0.0))
+        self._stop_saves = int(found.manifest.get(STOP_SAVES, 0))
         epoch = found.manifest.get("trainer", {}).get("epoch", 0)
         log.info("resumed from %s (step %d, epoch %d)", found.path, found.step, epoch)
 
-    def save(self, step: int) -> float:
+    def save(self, step: int, stop: bool = False) -> float:
         """Every rank: gather what needs collectives, then rank 0 snapshots and writes (maybe in the background).
-        Returns the seconds training stood still for it."""
+        ``stop``: the attempt's stop save (it ends the attempt). Returns the seconds training stood still for it."""
         t0 = time.perf_counter()
         self.saved_step = step
         self.states.gather()
-        self.manager.save(step, self.states.state_dict, {**self.meta(), RUN_TIME: self.cadence.run_time_s()})
+        stop_saves = self._stop_saves + int(stop)
+        meta = {**self.meta(), RUN_TIME: self.cadence.run_time_s(), STOP_SAVES: stop_saves}
+        self.manager.save(step, self.states.state_dict, meta)
         self.saved_at = time.monotonic()
         stall = time.perf_counter() - t0
         self.saves += 1
@@ -86,7 +93,10 @@ class Checkpointer:
         self.cadence.step_done(step)
         if self.due(step):
             stall = self.save(step)
-            self.cadence.saved(step, stall, self.manager.last_write_s)
+            write = 0.0  # a sync save's stall holds its write
+            if self.manager.async_save:
+                write = self.manager.last_write_s  # the newest finished one: this save's is still in flight
+            self.cadence.saved(step, stall, write)
 
     def due(self, step: int) -> bool:
         """Whether ``after_step`` saves at ``step``."""

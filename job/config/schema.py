@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
@@ -334,10 +334,10 @@ class CkptConfig(BaseModel):
     model_config = _SECTION
     every: int | Literal["auto"] = 0
     """Save every N optimizer steps (0: only at the end and on preemption), or auto: the interval that wastes
-    least for the measured save stall and ckpt.mtbf (Daly's optimum, docs/checkpoint-interval.md)."""
+    least for the measured save cost and ckpt.mtbf (Daly's optimum, docs/checkpoint-interval.md)."""
     mtbf: str = "24h"
-    """ckpt.every=auto: mean time between interruptions of this job (a duration: 90s, 30m, 6h, 2d or seconds);
-    refined from the launcher's restart counts once the job has been interrupted."""
+    """ckpt.every=auto: mean time between failures of this job (a duration: 90s, 30m, 6h, 2d or seconds);
+    refined from the launcher's restart counts, less the restarts after a stop save, once the job has failed."""
     grace_s: float = Field(0.0, ge=0)
     """Seconds from a stop signal to the launcher's hard kill, where known (Slurm --signal lead time, the pod's
     terminationGracePeriodSeconds; 0: unknown). ckpt.every=auto warns when a measured save does not fit in it."""
@@ -497,6 +497,9 @@ class DebugConfig(BaseModel):
     signal_group_at_worker_start: Literal["", "train", "val"] = ""
     """The first DataLoader worker of this loader sends SIGTERM to its rank's process group as it starts, before
     it can ignore stop signals: a launcher's group signal landing while the workers start ("": off)."""
+    ckpt_save_delay_s_by_rank: tuple[Annotated[float, Field(ge=0)], ...] = ()
+    """Rank i sleeps the i-th value (seconds; none past the end) in each save, before it returns to training:
+    gives the ranks different save stalls (ckpt.every=auto must still save on every rank at the same steps)."""
 
 
 class JobConfig(BaseSettings):

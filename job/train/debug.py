@@ -72,6 +72,25 @@ def _signal_group_at_worker_start(loaders: Any, which: str) -> None:
     loader.worker_init_fn = SignalGroupAtStart(loader.worker_init_fn)
 
 
+class SlowSave:
+    """A checkpoint manager's ``save`` that sleeps first: this rank's save stalls longer than the others'."""
+
+    def __init__(self, save: Callable[..., None], delay_s: float) -> None:
+        self.save, self.delay_s = save, delay_s
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        time.sleep(self.delay_s)
+        self.save(*args, **kwargs)
+
+
+def install_checkpoint(cfg: DebugConfig, rank: int, checkpointer: Any) -> None:
+    """Install the checkpoint aids that ``cfg`` switches on into ``checkpointer`` (the run's ``Checkpointer``)."""
+    delays = cfg.ckpt_save_delay_s_by_rank
+    if rank < len(delays) and delays[rank] > 0:
+        log.warning("debug.ckpt_save_delay_s_by_rank: this rank sleeps %s s in each save", delays[rank])
+        checkpointer.manager.save = SlowSave(checkpointer.manager.save, delays[rank])
+
+
 def install(cfg: DebugConfig, rank: int, parts: Any, state: Any) -> None:
     """Install the aids that ``cfg`` switches on into ``parts`` (the run's ``Parts``)."""
     if cfg.nan_at_steps:

@@ -120,7 +120,7 @@ def preempted(run: Run) -> int:
     run.parts.guard.check(step, run.state)
     reasons = distributed.any_flags(run.stop.reasons(), run.rt)
     log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
-    run.checkpointer.save(step)
+    run.checkpointer.save(step, stop=True)
     run.writer.commit()
     # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
     # nobody exits before rank 0's checkpoint is on disk.

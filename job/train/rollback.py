@@ -1,28 +1,38 @@
 """Exact skips for optimizers that take no ``found_inf`` flag (ZeRO's sharded update, LARS, LAMB), without the host
 waiting for the flag.
 
-The update runs unconditionally and is undone on the device where the flag is set: the parameters and the optimizer
-state on the flag's device are copied before the update and selected back with ``torch.where`` after it. State the
-device cannot select (CPU tensors of a CUDA run: torch's non-capturable step counts, timm LAMB's group step) is
-cloned on the host and restored one step late, when the flag has come back through a pinned non-blocking copy and
-its event: at the next update, or at ``settle`` before anything reads the optimizer state (a check, a save). By
-then the device is past that flag, so the host waits for nothing while the device still has the next step queued.
+The update runs unconditionally and is undone on the device where the flag is set: what the update can change
+(the parameters with a gradient in this rank's optimizer, and its state) is copied before the update and
+selected back in place with ``torch.where`` after it. Under ZeRO that is this rank's shard, selected before the
+shards are broadcast, so every rank receives the restored values. State the device cannot select (CPU tensors of
+a CUDA run: torch's non-capturable step counts, timm LAMB's group step) is cloned on the host and restored one
+step late, only when the flag is set: the flag comes back through a pinned non-blocking copy and its event, read
+at the next update or at ``settle`` before anything reads the optimizer state (a check, a save). By then the
+device is past that flag, so the host waits for nothing while the device still has the next step queued.
 
-Cost: one copy of the parameters and of this rank's optimizer state in device memory, and about three kernels per
-``CHUNK_BYTES`` of it per step. Plain numbers in the parameter groups (``lr``, the scheduler's) are not rolled
-back: the scheduler owns them, and none of the supported optimizers keeps a counter as a Python number.
+The device tensors cannot be restored that late: the next step's forward pass reads the parameters (and writes
+BatchNorm statistics, and the EMA averages them) before a flag read without a wait could say the update was bad.
+
+Cost per step, in passes over what is tracked (``ddp-job bench rollback`` counts them): the copy reads and
+writes it once (2), the select reads the copy and the update's result and writes the result (3): 5, against 9
+for a gather into a flat buffer, a select there and a copy back. Memory: one copy of what is tracked (under ZeRO
+this rank's shard, not the whole model). Kernels: one foreach copy per ``CHUNK_BYTES`` and one select per tensor.
+Plain numbers in the parameter groups (``lr``, the scheduler's) are not rolled back: the scheduler owns them, and
+none of the supported optimizers keeps a counter as a Python number.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 CHUNK_BYTES = 64 << 20
-"""The most bytes one select kernel handles: bounds the temporary buffer of ``_Chunk.select``."""
+"""The most bytes one flat copy buffer holds (one foreach copy each)."""
 
 
 def local_optimizer(optimizer: Optimizer) -> Optimizer:
@@ -60,16 +70,10 @@ class _Chunk:
     tensors: list[torch.Tensor]
     copy: torch.Tensor
 
-    def save(self) -> None:
-        views = [v.view(t.shape) for v, t in zip(self.copy.split([t.numel() for t in self.tensors]), self.tensors)]
-        torch._foreach_copy_(views, self.tensors)
-
-    def select(self, skip: torch.Tensor) -> None:
-        """Each tensor back to its copy where ``skip`` (0-d bool on the device) is set."""
+    def views(self) -> list[torch.Tensor]:
+        """The copy of each tensor: a view of the flat buffer in its shape."""
         sizes = [t.numel() for t in self.tensors]
-        now = torch.cat([t.reshape(-1) for t in self.tensors])
-        torch.where(skip, self.copy, now, out=now)  # a NaN update is replaced, not mixed in
-        torch._foreach_copy_(self.tensors, [v.view(t.shape) for v, t in zip(now.split(sizes), self.tensors)])
+        return [v.view(t.shape) for v, t in zip(self.copy.split(sizes), self.tensors)]
 
 
 def chunks(tensors: Iterable[torch.Tensor], limit: int = CHUNK_BYTES) -> list[_Chunk]:
@@ -99,6 +103,7 @@ class Rollback:
         self._on_host = on_host or (lambda t: t.device != device)
         self._tracked: list[torch.Tensor] = []
         self._chunks: list[_Chunk] = []
+        self._copies: list[torch.Tensor] = []
         self._flag = torch.zeros((), pin_memory=device.type == "cuda")
         self._flag_view = self._flag.numpy()  # read as host memory: no tensor read, no device wait
         self._pending: tuple[torch.cuda.Event | None, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -108,13 +113,20 @@ class Rollback:
         """The optimizer's update, undone on the device where ``found_inf`` (0-d, 1.0 = skip) is set."""
         self.settle()
         on_device, on_host = self._split()
-        for chunk in self._chunks_for(on_device):
-            chunk.save()
+        copies = self._copies_for(on_device)
+        if on_device:
+            torch._foreach_copy_(copies, on_device)
         saved = [(t, t.clone()) for t in on_host]
-        self.optimizer.step()
+        zero = self.optimizer if isinstance(self.optimizer, ZeroRedundancyOptimizer) else None
+        if zero is not None:
+            zero._local_step()  # this rank's shard only: restored below before it is broadcast
+        else:
+            self.optimizer.step()
         skip = found_inf.bool()
-        for chunk in self._chunks:
-            chunk.select(skip)
+        for t, before in zip(on_device, copies):
+            torch.where(skip, before, t, out=t)  # in place: a NaN update is replaced, not mixed in
+        if zero is not None:
+            cast(Any, zero)._sync_params()  # what ZeroRedundancyOptimizer.step does after its local step
         if saved:
             self._flag.copy_(found_inf, non_blocking=True)
             self._pending = (_record(found_inf.device), saved)
@@ -132,8 +144,16 @@ class Rollback:
             for t, before in saved:
                 t.copy_(before)
 
+    def copy_bytes(self) -> int:
+        """The device memory the copy keeps between steps."""
+        return sum(c.copy.nbytes for c in self._chunks)
+
     def _split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        """What the update can change: the parameters with a gradient that this rank's optimizer holds (under
+        ZeRO its shard; a parameter without a gradient is left alone by every supported optimizer) and its
+        state, split into those selected on the device and those restored one step late."""
+        inner = local_optimizer(self.optimizer)
+        params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
         on_device, on_host = [], []
         for t in params + state_tensors(self.optimizer):
             if self._on_host(t):
@@ -142,12 +162,14 @@ class Rollback:
                 on_device.append(t)
         return on_device, on_host
 
-    def _chunks_for(self, tensors: list[torch.Tensor]) -> list[_Chunk]:
+    def _copies_for(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The copy buffers, rebuilt only when the tracked tensors change (a loaded state replaces them)."""
         same = len(tensors) == len(self._tracked) and all(a is b for a, b in zip(tensors, self._tracked))
         if not same:
             self._tracked, self._chunks = tensors, chunks(tensors)
-        return self._chunks
+            by_tensor = {id(t): v for c in self._chunks for t, v in zip(c.tensors, c.views())}
+            self._copies = [by_tensor[id(t)] for t in tensors]
+        return self._copies
 
 
 def _record(device: torch.device) -> torch.cuda.Event | None:

@@ -175,6 +175,7 @@ def build_run(
         contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir, cfg.log.jsonl))
     )
     checkpointer = _checkpointer(cfg, env, plan, rt, parts, state, writer)
+    debug.install_checkpoint(cfg.debug, env.rank, checkpointer)
     cleanup.callback(checkpointer.manager.close)
     stop.busy = checkpointer.manager.in_flight
     agree_on_checkpoint(found, rt.control_group)
