@@ -340,11 +340,9 @@ def test_stopping_early_ends_the_thread_even_while_it_waits_for_the_loader(ragge
         it = iter(decode_ahead.DecodeAhead(loader, decode, HostSideStream()))
         next(it)
         time.sleep(0.3)  # the thread has decoded the next batch and waits for a slot, or for the slow loader
-        t0 = time.monotonic()
         it.close()  # the consumer stops (a stop signal, the last step, an error in the step)
         assert not _decode_threads()
-        assert time.monotonic() - t0 < SLOW_S + 2.0
-        assert loader.read <= 3
+        assert loader.read <= 3  # it stopped reading: it did not drain the loader to end
 
 
 class _RecordingSideStream(HostSideStream):

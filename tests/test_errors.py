@@ -162,7 +162,7 @@ def test_every_exception_type_of_the_package_is_defined_in_job_errors() -> None:
 # --- collective timeouts: one rule (job.errors.is_collective_timeout) -----------------------------------
 
 GLOO_HANG = """
-import datetime, json, os, sys, time
+import datetime, json, os, sys
 import torch, torch.distributed as dist
 from job.errors import exit_code_of, is_collective_timeout
 rank, port = int(sys.argv[1]), sys.argv[2]
@@ -172,7 +172,9 @@ t = torch.ones(4)
 dist.all_reduce(t)
 dist.set_timeout(datetime.timedelta(seconds=2))
 if rank == 1:
-    time.sleep(6)  # stops participating, past the timeout
+    # stops participating until rank 0 has seen both timeouts (the test then closes this stdin): had it left
+    # earlier, a slowed rank 0 would see a closed connection instead of a timeout
+    sys.stdin.read()
     os._exit(0)
 for op, call in (("all_reduce", lambda: dist.all_reduce(t)), ("barrier", dist.barrier)):
     try:
@@ -200,13 +202,14 @@ def test_a_real_gloo_collective_timeout_is_recognised(tmp_path: Path) -> None:
         subprocess.Popen(
             [sys.executable, "-c", GLOO_HANG, str(rank), port],
             cwd=ROOT,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for rank in (0, 1)
     ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=120) for p in procs]  # rank 0's end first; then rank 1's stdin closes
     assert [p.returncode for p in procs] == [0, 0], outs
     seen = [json.loads(line) for line in outs[0][0].splitlines()]
     assert [s["op"] for s in seen] == ["all_reduce", "barrier"], outs[0]

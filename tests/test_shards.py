@@ -14,7 +14,6 @@ import shutil
 import signal
 import tarfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -221,9 +220,8 @@ def test_interrupted_two_process_run_on_shards_is_bitwise_identical(tmp_path, jo
     straggle = ["--debug.straggler-delay-s", "10", "--debug.straggler-rank", "0", "--debug.straggler-steps", "3"]
     first = Job(tmp_path, [], [*chain, *straggle])
     jobs.append(first)
-    for rank in (0, 1):
-        first.wait_for(rf"\[rank {rank}/2\] INFO step 2/{STEPS} ")
-    time.sleep(3.0)  # rank 0 sleeps 10 s before step 3's first forward: the signal lands inside step 3
+    # rank 0 sleeps 10 s before step 3's first forward: the signal lands inside step 3
+    first.wait_for(r"\[rank 0/2\] INFO debug.straggler: sleeping 10 s before step 3's first forward")
     first.signal(signal.SIGTERM)
     _, m = first.wait_for(r"stop requested \(signal SIGTERM, received during ([^)]*)\): saving at step (\d+)")
     assert first.finish() == 143, first.tail()

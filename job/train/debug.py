@@ -46,6 +46,8 @@ class Straggler:
         step = self.state.step + 1
         if module.training and step != self._delayed_step and (not self.steps or step in self.steps):
             self._delayed_step = step
+            # said before the sleep: a test that signals a straggling rank waits for this line, not a guess
+            log.info("debug.straggler: sleeping %g s before step %d's first forward", self.delay_s, step)
             time.sleep(self.delay_s)
 
 

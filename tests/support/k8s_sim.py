@@ -4,10 +4,10 @@ Follows the simulation recipe of the operator's behaviour (OPERATOR-BEHAVIOUR.md
 network namespace per pod on a private bridge:
 
 * pods ``<job>-master-0`` / ``<job>-worker-<i>`` (§2), each with its own IP, hostname, mount and PID
-  namespace and a root filesystem of its own (tests/support/k8s_pod.py), its own ``/etc/hosts`` (a file in the
-  simulation's work directory, bind-mounted into its containers) that always holds its own name and holds
-  the other pods' names only while their container runs: what the headless Services' DNS records do
-  (Ready pods only);
+  namespace and a root filesystem of its own (tests/support/k8s_pod.py) that applies the manifest's
+  securityContext, its own ``/etc/hosts`` (a file in the simulation's work directory, replaced by rename
+  and seen by its containers through a link) that always holds its own name and holds the other pods'
+  names only while their container runs: what the headless Services' DNS records do (Ready pods only);
 * the operator's environment appended after the container's own ``env`` (§3, ``operator_env``);
 * worker pods wait for ``<job>-master-0`` to resolve first (the ``init-pytorch`` init container);
 * the container's ``command`` + ``args`` executed as written in the simulated image (no image registry
@@ -34,8 +34,10 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +58,37 @@ OS_LAYERS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 NAMESPACE, CLUSTER_DOMAIN = "default", "cluster.local"
 RETRYABLE = 128  # ExitCode policy: exit codes >= 128 are retried (§4)
 EVICTED = 0xBEEF  # the operator's sentinel when no terminated state is found
+# containerd's default capabilities of a container (its CRI's default spec); securityContext.capabilities
+# drops from and adds to these
+DEFAULT_CAPABILITIES = frozenset(
+    [
+        "CHOWN",
+        "DAC_OVERRIDE",
+        "FSETID",
+        "FOWNER",
+        "MKNOD",
+        "NET_RAW",
+        "SETGID",
+        "SETUID",
+        "SETFCAP",
+        "SETPCAP",
+        "NET_BIND_SERVICE",
+        "SYS_CHROOT",
+        "KILL",
+        "AUDIT_WRITE",
+    ]
+)
+# A container without a securityContext in an image that runs as root (the operator's init container)
+ROOT_CONTAINER = {
+    "uid": 0,
+    "gid": 0,
+    "groups": [],
+    "capabilities": sorted(DEFAULT_CAPABILITIES),
+    "no_new_privs": False,
+    "read_only_root": False,
+}
 IFNAMSIZ = 15  # the longest Linux interface name
+NET_FILES_MOUNT = ".pod"  # where a pod's hosts and resolv.conf are mounted, under its /etc (``etc_links``)
 _serials = itertools.count()
 T = TypeVar("T")
 
@@ -189,6 +221,71 @@ def _tmpfs_size(quantity: str | None) -> str:
     return m.group(1) + (m.group(2) or "")[:1].lower()
 
 
+# ----------------------------------------------------------------------------- security
+def image_user(dockerfile: Path = REPO / "docker" / "Dockerfile") -> tuple[int, int]:
+    """The image's user and group (its last numeric ``USER uid[:gid]``): a container's when the manifest names none."""
+    users = re.findall(r"^USER\s+(\d+)(?::(\d+))?\s*$", dockerfile.read_text(), re.M)
+    if not users:
+        raise ValueError(f"{dockerfile} has no numeric USER line")
+    uid, gid = users[-1]
+    return int(uid), int(gid or 0)
+
+
+def security_context(pod_spec: dict, container: dict) -> dict:
+    """The user, groups, capabilities and restrictions that the kubelet and runc give ``container``
+    (tests/support/k8s_pod.py's ``security``): the container's securityContext over the pod's, the image's user
+    when neither names one, ``fsGroup`` and ``supplementalGroups`` as supplementary groups, containerd's default
+    capabilities less ``drop`` plus ``add``, ``no_new_privs`` only for ``allowPrivilegeEscalation: false``."""
+    pod_sc, sc = pod_spec.get("securityContext") or {}, container.get("securityContext") or {}
+    if sc.get("privileged"):
+        raise ValueError(f"container {container.get('name')}: privileged containers are not simulated")
+    uid, gid = sc.get("runAsUser", pod_sc.get("runAsUser")), sc.get("runAsGroup", pod_sc.get("runAsGroup"))
+    if uid is None:
+        uid, image_gid = image_user()
+        if gid is None:
+            gid = image_gid
+    groups = [g for g in (pod_sc.get("fsGroup"), *(pod_sc.get("supplementalGroups") or [])) if g is not None]
+    caps = sc.get("capabilities") or {}
+    drop = {c.removeprefix("CAP_") for c in caps.get("drop") or []}
+    add = {c.removeprefix("CAP_") for c in caps.get("add") or []}
+    if "ALL" in add:
+        raise ValueError(f"container {container.get('name')}: capabilities.add ALL is not simulated")
+    kept = set() if "ALL" in drop else set(DEFAULT_CAPABILITIES - drop)
+    return {
+        "uid": uid,
+        "gid": gid or 0,  # a runAsUser without runAsGroup: the runtime's group 0 (no passwd entry in the image)
+        "groups": groups,
+        "capabilities": sorted(kept | add),
+        "no_new_privs": sc.get("allowPrivilegeEscalation") is False,
+        "read_only_root": bool(sc.get("readOnlyRootFilesystem")),
+    }
+
+
+def set_volume_ownership(path: Path, fs_group: int | None, read_only: bool = False) -> None:
+    """The kubelet's ``SetVolumeOwnership`` for a pod's ``fsGroup``: every file and directory of the volume
+    gets that group, read and write for it (read-only volumes: read), directories also search and setgid, so
+    that what the pod's user creates there stays the group's. Without an fsGroup a volume keeps its owner
+    (root here): a non-root container cannot write it, as on a cluster."""
+    if fs_group is None:
+        return
+    mask = 0o440 if read_only else 0o660
+    for top, _dirs, files in os.walk(path):
+        for name in (top, *(os.path.join(top, f) for f in files)):
+            _own(name, fs_group, mask)
+
+
+def _own(path: str, gid: int, mask: int) -> None:
+    try:
+        st = os.lstat(path)
+        os.lchown(path, -1, gid)
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode) | mask | 0o110 | stat.S_ISGID)
+        elif not stat.S_ISLNK(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode) | mask)
+    except FileNotFoundError:  # a running pod renamed or removed it meanwhile
+        pass
+
+
 # ----------------------------------------------------------------------------- the image
 def _console_script(path: Path) -> bool:
     """A script that names its interpreter by absolute path (``#!/.../bin/python``), as pip writes them."""
@@ -230,16 +327,18 @@ def interpreter_prefix(venv: Path) -> Path:
 
 def image_layers(venv: Path, bin_dir: Path) -> list[dict]:
     """The image's read-only layers, in mount order (tests/support/k8s_pod.py mounts them into each container's own
-    root): the host's operating system, its devices, the base interpreter that the venv links to (at its
+    root): the host's operating system, a container's /dev, the base interpreter that the venv links to (at its
     own path), the checkout at IMAGE_SRC and the venv at IMAGE_VENV with its rewritten ``bin/``."""
     layers: list[dict] = []
     for name in OS_LAYERS:
         path = Path("/") / name
         if path.is_symlink():
             layers.append({"kind": "symlink", "source": os.readlink(path), "target": str(path)})
+        elif name == "etc":  # under each pod's links to its hosts and resolv.conf (tests/support/k8s_pod.py)
+            layers.append({"kind": "etc", "source": str(path), "target": str(path)})
         elif path.is_dir():
             layers.append({"kind": "bind", "source": str(path), "target": str(path), "read_only": True})
-    layers.append({"kind": "bind", "source": "/dev", "target": "/dev"})
+    layers.append({"kind": "dev", "target": "/dev"})  # runc's /dev, not the host's
     prefix = interpreter_prefix(venv)
     if not prefix.is_relative_to("/usr"):
         layers.append({"kind": "bind", "source": str(prefix), "target": str(prefix), "read_only": True})
@@ -276,7 +375,7 @@ class Pod:
 def container_spec(pod: Pod, label: str, workdir: Path, layers: list[dict], mounts: list[dict], **run: Any) -> dict:
     """tests/support/k8s_pod.py's SPEC for one container run of ``pod`` (``label``: the run's number, or ``init``):
     its own root under ``workdir``, the pod's network namespace, hosts file and hostname; ``run`` holds the
-    container's ``command``, ``env`` and ``cwd``."""
+    container's ``command``, ``env``, ``cwd`` and ``security`` (``security_context``)."""
     if pod.hosts is None:
         raise RuntimeError(f"pod {pod.name} has no network yet")
     stem = f"{pod.name}.{pod.generation}.{label}"
@@ -286,8 +385,9 @@ def container_spec(pod: Pod, label: str, workdir: Path, layers: list[dict], moun
         "hostname": pod.name,
         "netns": f"/run/netns/{pod.netns}",
         "root": str(root),
-        "hosts": str(pod.hosts),
-        "resolv_conf": str(pod.hosts.with_name("resolv.conf")),
+        "net_files": str(pod.hosts.parent),
+        "net_files_target": f"/etc/{NET_FILES_MOUNT}",
+        "etc_links": str(etc_links(pod.hosts.parent)),
         "layers": layers,
         "mounts": mounts,
         "pid_file": str(workdir / "pods" / f"{stem}.pid"),
@@ -384,7 +484,7 @@ class Simulation:
         self._publish()
 
     def _publish(self) -> None:
-        """Rewrite every pod's /etc/hosts in place (the file is bind-mounted into running pods): its
+        """Replace every pod's /etc/hosts (running pods see the new file at once, ``write_hosts``): its
         own name (kubelet) plus the Services of Ready pods (cluster DNS)."""
         with self._lock:
             ready = [p for p in self.pods.values() if p.ready]
@@ -414,7 +514,15 @@ class Simulation:
         env.update(operator_env(self.job, pod.rtype, pod.index))  # ... then the operator's, which win
         command = [*(c.get("command") or []), *(c.get("args") or [])]
         return container_spec(
-            pod, str(run), self.workdir, self.image, mounts, command=command, env=env, cwd=c.get("workingDir", "/")
+            pod,
+            str(run),
+            self.workdir,
+            self.image,
+            mounts,
+            command=command,
+            env=env,
+            cwd=c.get("workingDir", "/"),
+            security=security_context(tmpl, c),
         )
 
     def _wait_for_master(self, pod: Pod) -> bool:
@@ -422,7 +530,14 @@ class Simulation:
         ``getent hosts``, in a container of the pod: its network, its hosts file)."""
         master = f"{self.job['metadata']['name']}-master-0"
         spec = container_spec(
-            pod, "init", self.workdir, self.image, [], command=["getent", "hosts", master], env={"PATH": IMAGE_PATH}
+            pod,
+            "init",
+            self.workdir,
+            self.image,
+            [],
+            command=["getent", "hosts", master],
+            env={"PATH": IMAGE_PATH},
+            security=ROOT_CONTAINER,  # the operator's init container: its own image, no securityContext
         )
         spec_path = Path(spec["pid_file"]).with_suffix(".json")
         spec_path.write_text(json.dumps(spec))
@@ -565,8 +680,9 @@ def make_bridge(net: Network) -> None:
 
 
 def make_pod_network(pod: Pod, net: Network, files: Path) -> None:
-    """The pod's network namespace on the bridge, and its (empty) hosts and resolv.conf files under
-    ``files``: bind-mounted into each of its containers by tests/support/k8s_pod.py."""
+    """The pod's network namespace on the bridge, and its (empty) hosts and resolv.conf files in a
+    directory of its own under ``files``: bind-mounted into each of its containers by tests/support/k8s_pod.py,
+    where the image's /etc links to them (``etc_links``)."""
     ns, host_end, pod_end = pod.netns, net.veth(pod.veth, "v"), net.veth(pod.veth, "p")
     _ip("netns", "add", ns)
     _ip("link", "add", host_end, "type", "veth", "peer", "name", pod_end)
@@ -577,9 +693,21 @@ def make_pod_network(pod: Pod, net: Network, files: Path) -> None:
     _ip("-n", ns, "link", "set", "lo", "up")
     pod_files = files / pod.name
     pod_files.mkdir(parents=True, exist_ok=True)
-    (pod_files / "resolv.conf").write_text("")  # no DNS server: lookups stay local
+    replace_file(pod_files / "resolv.conf", "")  # no DNS server: lookups stay local
     pod.hosts = pod_files / "hosts"
-    pod.hosts.write_text("")
+    replace_file(pod.hosts, "")
+    links = etc_links(pod_files)
+    (links / NET_FILES_MOUNT).mkdir(parents=True, exist_ok=True)  # where the pod's files are mounted
+    for name in ("hosts", "resolv.conf"):
+        if not (links / name).is_symlink():
+            (links / name).symlink_to(f"{NET_FILES_MOUNT}/{name}")
+
+
+def etc_links(pod_files: Path) -> Path:
+    """The top layer of a pod's /etc (an overlay on the image's): ``hosts`` and ``resolv.conf`` link into the
+    pod's own directory of network files, mounted at ``/etc/.pod``. Nothing in it ever changes: the files it
+    links to are replaced by rename (``replace_file``), which a bind mount of the file itself would not see."""
+    return pod_files.with_name(f"{pod_files.name}.etc")
 
 
 def set_pod_ip(pod: Pod, ip: str) -> None:
@@ -589,12 +717,24 @@ def set_pod_ip(pod: Pod, ip: str) -> None:
 
 
 def write_hosts(pod: Pod, lines: list[str]) -> None:
-    """Rewrite the pod's hosts file in place: its running containers have this very file (inode) mounted."""
+    """Replace the pod's hosts file: a lookup in its containers reads the old file or the new one, whole."""
     if pod.hosts is None:
         raise RuntimeError(f"pod {pod.name} has no network yet")
-    with open(pod.hosts, "r+") as f:
-        f.truncate(0)
-        f.write("\n".join(lines) + "\n")
+    replace_file(pod.hosts, "\n".join(lines) + "\n")
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to a new file beside ``path`` and rename it over ``path``: a reader that opens ``path``
+    gets either file complete, never an empty or a half-written one (truncating and writing in place would)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            os.fchmod(f.fileno(), 0o644)  # any container user reads it (mkstemp makes it 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def volume_mounts(
@@ -602,8 +742,10 @@ def volume_mounts(
 ) -> list[dict]:
     """The container's volumeMounts as tests/support/k8s_pod.py mounts: ConfigMaps read-only directories, PVCs one
     shared directory each, ``emptyDir: {medium: Memory}`` a size-limited tmpfs, other emptyDirs a
-    directory of this pod (``pod_dir``: it survives container restarts, not a new pod)."""
+    directory of this pod (``pod_dir``: it survives container restarts, not a new pod); emptyDirs writable by
+    every user as the kubelet makes them, and every volume owned by the pod's ``fsGroup`` if it has one."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    fs_group = (pod_spec.get("securityContext") or {}).get("fsGroup")
     mounts: list[dict] = []
     for m in c.get("volumeMounts") or []:
         vol = volumes[m["name"]]
@@ -612,20 +754,23 @@ def volume_mounts(
             src.mkdir(parents=True, exist_ok=True)
             for key, text in config_maps[vol["configMap"]["name"]].items():
                 (src / key).write_text(text)
+            set_volume_ownership(src, fs_group, read_only=True)
             mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": True})
         elif "persistentVolumeClaim" in vol:
             src = workdir / "pvc" / vol["persistentVolumeClaim"]["claimName"]
-            src.mkdir(parents=True, exist_ok=True)
+            src.mkdir(parents=True, exist_ok=True)  # a fresh volume's root: root's, 0755
+            set_volume_ownership(src, fs_group)
             mounts.append(
                 {"kind": "bind", "source": str(src), "target": m["mountPath"], "read_only": bool(m.get("readOnly"))}
             )
         elif vol.get("emptyDir", {}).get("medium") == "Memory":
-            mounts.append(
-                {"kind": "tmpfs", "target": m["mountPath"], "size": _tmpfs_size(vol["emptyDir"].get("sizeLimit"))}
-            )
+            size = _tmpfs_size(vol["emptyDir"].get("sizeLimit"))
+            mounts.append({"kind": "tmpfs", "target": m["mountPath"], "size": size, "gid": fs_group})
         elif "emptyDir" in vol:
             src = pod_dir / m["name"]
             src.mkdir(parents=True, exist_ok=True)
+            src.chmod(0o777)  # the kubelet's emptyDir mode, whatever the umask
+            set_volume_ownership(src, fs_group)
             mounts.append({"kind": "bind", "source": str(src), "target": m["mountPath"]})
         else:
             raise ValueError(

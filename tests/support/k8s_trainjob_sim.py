@@ -335,6 +335,7 @@ class TrainJobSimulation:
             command=[*(self.container.get("command") or []), *(self.container.get("args") or [])],
             env=container_env(self.job, self.runtime, pod.index, self.status_server is not None),
             cwd=self.container.get("workingDir", "/"),
+            security=ks.security_context(self.pod_spec, self.container),
         )
 
     def _run_once(self, pod: ks.Pod, run: int) -> int:
