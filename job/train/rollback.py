@@ -14,9 +14,10 @@ The device tensors cannot be restored that late: the next step's forward pass re
 BatchNorm statistics, and the EMA averages them) before a flag read without a wait could say the update was bad.
 
 Cost per step, in passes over what is tracked (``ddp-job bench rollback`` counts them): the copy reads and
-writes it once (2), the select reads the copy and the update's result and writes the result (3): 5, against 9
-for a gather into a flat buffer, a select there and a copy back. Memory: one copy of what is tracked (under ZeRO
-this rank's shard, not the whole model). Kernels: one foreach copy per ``CHUNK_BYTES`` and one select per tensor.
+writes it once (2), the select reads the copy and the update's result and writes the result (3): 5. A select
+over a flat gather of the tensors would launch fewer kernels but move 9 (the gather and the copy back add 4).
+Memory: one copy of what is tracked (under ZeRO this rank's shard, not the whole model), in flat buffers of at
+most ``CHUNK_BYTES``. Kernels: one foreach copy, and one select per tensor.
 Plain numbers in the parameter groups (``lr``, the scheduler's) are not rolled back: the scheduler owns them, and
 none of the supported optimizers keeps a counter as a Python number.
 """
