@@ -846,6 +846,7 @@ def test_rerun_after_a_full_disk_is_freed_resumes(
     _fill_to(small_disk, (whole - held) // 2)  # short even counting them: may heal, so exit 1
     short = train(6)
     out = short.stdout + short.stderr
+    print("\n".join(line for line in out.splitlines() if "storage.space" in line or "exit" in line.lower()))
     assert short.returncode == 1, out[-3000:]
     assert "storage.space" in out and "step-0000005" not in out, out[-3000:]
 
