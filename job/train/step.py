@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from job.config import TrainConfig
 from job.config.plan import Plan
-from job.parallel import ddp
+from job.parallel import ddp, fsdp
 from job.train.parts import Parts
 
 
@@ -108,6 +108,8 @@ def _accumulate(extras: dict[str, torch.Tensor], values: dict[str, torch.Tensor]
 def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
     if sync:
         return contextlib.nullcontext()
+    if fsdp.is_fsdp(model):
+        return fsdp.no_sync(model)
     # DDP and the DataParallel baseline both have no_sync(); the type says Module.
     return cast(DistributedDataParallel, model).no_sync()
 
@@ -115,10 +117,11 @@ def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
 def _unscale_and_norm(parts: Parts, clip_norm: float) -> torch.Tensor:
     parts.scaler.unscale_(parts.optimizer)
     params = parts.raw_model.parameters()
+    # Under fsdp the norm of sharded gradients is a DTensor reduced over the ranks: the global norm.
     if clip_norm > 0:
-        return nn.utils.clip_grad_norm_(params, clip_norm, foreach=True)
+        return fsdp.full_value(nn.utils.clip_grad_norm_(params, clip_norm, foreach=True))
     # The norm alone (logged, finite check): clip_grad_norm_ with inf would also rescale every gradient by 1.
-    return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    return fsdp.full_value(nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True))
 
 
 def _update(parts: Parts, found_inf: torch.Tensor) -> None:
