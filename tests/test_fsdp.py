@@ -38,6 +38,7 @@ def train_args(out: Path, corpus: Path, name: str, *extra: str) -> list[str]:
         *("--sched.name", "cosine", "--sched.warmup-steps", "2", "--train.grad-clip-norm", "0.5"),
         *("--train.steps", str(STEPS), "--train.global-batch-size", str(GLOBAL), "--train.micro-batch-size", "2"),
         *("--ckpt.every", "2", "--ckpt.keep-last", "5", "--log.every", "1", "--log.tensorboard", "false"),
+        *("--ema.enabled", "true", "--ema.decay", "0.5"),
         *extra,
     ]
 
@@ -103,6 +104,11 @@ def visits(run_dir: Path, calls: int | None, micro: int = 2) -> Counter[int]:
     return seen
 
 
+def after(log: str, marker: str) -> list[str]:
+    """What follows ``marker`` on each line of ``log`` holding it, up to the run directory (which differs)."""
+    return [line.split(marker, 1)[1].split("run_dir")[0] for line in log.splitlines() if marker in line]
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     keys = a.keys() & b.keys()
     assert len(keys) >= 10, sorted(keys)
@@ -111,20 +117,23 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.integration
 def test_fsdp_ends_within_fp32_tolerance_of_ddp(runs: dict[str, Any], tmp_path: Path) -> None:
-    """Clipping, accumulation (4 micro-batches, one reduce-scatter), AdamW with decay, warmup + cosine."""
+    """Clipping, accumulation (4 micro-batches, one reduce-scatter), AdamW with decay, warmup + cosine, EMA."""
     out = runs["out"]
-    ddp = load_final_state(out / "ddp")["model"]
-    fsdp = shards(newest(out / "fsdp"), tmp_path)["model"]
+    ddp_state = load_final_state(out / "ddp")
+    fsdp = shards(newest(out / "fsdp"), tmp_path)
     assert newest(out / "fsdp").name == f"step-{STEPS:07d}"
-    diff = max_diff(ddp, fsdp)
-    print(f"\nmax |param diff| FSDP vs DDP, 2 processes, fp32, {STEPS} steps: {diff:.3g}")
-    assert diff <= 1e-5
+    diff = max_diff(ddp_state["model"], fsdp["model"])
+    ddp_ema = {k.removeprefix("module."): v for k, v in ddp_state["ema"].items() if k.startswith("module.")}
+    ema_diff = max_diff(ddp_ema, fsdp["ema"]["module"])
+    print(f"\nmax |param diff| FSDP vs DDP, 2 processes, fp32, {STEPS} steps: {diff:.3g} (EMA {ema_diff:.3g})")
+    assert diff <= 1e-5 and ema_diff <= 1e-5
+    assert int(fsdp["ema"]["n_averaged"]) == int(ddp_state["ema"]["n_averaged"]) == STEPS
     start = load_final_state(out / "ddp")  # the final state; step 2's parameters are far from it
     moved = max_diff(shards(out / "fsdp" / "step-0000002", tmp_path)["model"], start["model"])
     assert moved > 1e-3, "parameters barely moved: the comparison would be vacuous"
-    final = [line for line in runs["logs"]["fsdp"].splitlines() if line.startswith("FINAL")]
-    final_ddp = [line for line in runs["logs"]["ddp"].splitlines() if line.startswith("FINAL")]
-    assert final[0].split("run_dir")[0] == final_ddp[0].split("run_dir")[0]  # exact evaluation: the same metrics
+    for marker in ("FINAL ", "INFO EMA "):  # exact evaluation of the model and of its EMA: the same metrics
+        want, got = after(runs["logs"]["ddp"], marker), after(runs["logs"]["fsdp"], marker)
+        assert len(want) == 1 and want == got, (want, got)
 
 
 @pytest.mark.integration
@@ -145,6 +154,7 @@ def test_resume_at_the_same_world_size_is_bitwise(runs: dict[str, Any], tmp_path
     want, got = shards(newest(out / "fsdp"), tmp_path), shards(newest(out / "same"), tmp_path)
     assert_bitwise_equal(want["model"], got["model"], "model")
     assert_bitwise_equal(want["optimizer"], got["optimizer"], "optimizer")
+    assert_bitwise_equal(want["ema"], got["ema"], "ema")
     assert load_final_state(out / "fsdp")["trainer"] == load_final_state(out / "same")["trainer"]
 
 
@@ -176,8 +186,9 @@ def test_a_load_failing_on_one_rank_ends_every_rank_naming_checkpoint_and_rank(
     r = torchrun(2, args, env=counting_env(tmp_path, out / "failing"), timeout=300)
     text = r.stdout + r.stderr
     assert r.returncode != 0
-    assert "step-0000002" in text and "failed on rank(s) [1]" in text
-    assert "[rank 0/2] ERROR" in text  # rank 0 ended with the error too, not in a collective timeout
+    for rank in (0, 1):  # rank 0 ends with the same error, not in a broken or timed-out collective
+        errors = [line for line in text.splitlines() if f"[rank {rank}/2] ERROR" in line]
+        assert errors and "step-0000002" in errors[0] and "failed on rank(s) [1]" in errors[0], errors
     assert "timed out" not in text
 
 
@@ -256,5 +267,42 @@ def test_optimizer_state_covers_every_parameter_so_a_sharded_load_finds_its_keys
         fsdp.init_optimizer_state(loaded_opt)
         Sharded(loaded, loaded_opt, 0).load(tmp_path / "ckpt.tmp-shards")
         assert len(loaded_opt.state) == 4
+    finally:
+        dist.destroy_process_group()
+
+
+def test_accumulation_reduce_scatters_once_per_optimizer_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 micro-batches per step: each unit's gradients are reduce-scattered on the last one only (FSDP2's
+    reduction of one parameter group, counted where FSDP calls it). In-process, one gloo rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from job.train.step import _sync_context
+
+    calls: list[int] = []
+    reduce = _fsdp_param_group.foreach_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return reduce(*args, **kwargs)
+
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counting)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        for unit in (model[0], model[1]):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root's own unit: the last Linear
+        per_step = []
+        for _step in range(2):
+            calls.clear()
+            for micro in range(4):
+                with _sync_context(model, sync=micro == 3):
+                    model(torch.ones(2, 4)).sum().backward()
+            per_step.append(len(calls))
+        assert per_step == [3, 3]  # 3 units, once each per step (4 per step each without no_sync)
     finally:
         dist.destroy_process_group()

@@ -6,6 +6,7 @@ Layout inside a step directory (job.checkpoint.store commits it; nothing here re
     step-0000120/
         shards/         DCP: one ``__<rank>_0.distcp`` per rank and ``.metadata`` (written by rank 0 last)
         state.pt        rank 0: layout, progress, schedule, scaler, every rank's RNG, guard counters
+    The shards hold the model, the optimizer and the EMA (sharded like the model) where enabled.
         manifest.json   written LAST by rank 0: size + sha256 of every file above, shards included
 
 A save goes to the step's ``.tmp-shards`` directory; DCP returns on every rank only after rank 0 gathered every
@@ -29,11 +30,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from job.errors import CheckpointLoadError, NonFiniteStateError
+from job.train.ema import Ema
 
 log = logging.getLogger("job")
 
@@ -48,13 +55,23 @@ class Sharded:
     group for the agreement, the default group when None; ``fail_load``: a fault injected for tests)."""
 
     def __init__(
-        self, model: nn.Module, optimizer: Optimizer, rank: int, group: Any = None, fail_load: bool = False
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        rank: int,
+        group: Any = None,
+        fail_load: bool = False,
+        ema: Ema | None = None,
     ) -> None:
         self.model, self.optimizer, self.rank, self.group, self.fail_load = model, optimizer, rank, group, fail_load
+        self.ema = ema
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+        out = {"model": model_sd, "optimizer": optim_sd}
+        if self.ema is not None:  # sharded like the model; n_averaged is loaded in place into its own tensor
+            out["ema"] = {"module": get_model_state_dict(self.ema.module), "n_averaged": self.ema.averaged.n_averaged}
+        return out
 
     def save(self, run_dir: Path, step_name: str, is_main: bool) -> Path:
         """Every rank: write this rank's shards under the step's temporary directory, returned for the commit.
@@ -103,6 +120,9 @@ class Sharded:
             set_state_dict(
                 self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
             )
+            if self.ema is not None:
+                set_model_state_dict(self.ema.module, state["ema"]["module"])
+                self.ema.updates = int(self.ema.averaged.n_averaged)
         except Exception as e:
             error = f"{type(e).__name__}: {str(e).strip()[:500]}"
         self._raise_if_any(error, path, "loading the shards")

@@ -12,6 +12,7 @@ A task is any object with these members (docs/tasks.md is the user's page):
                                        parameters in no group are frozen
 ``flops_per_item() -> float``          optional: training FLOPs per item (forward + backward), for MFU
 ``summarize(values) -> {name: v}``     optional: derived validation values, e.g. perplexity = exp(loss)
+``shard_units(model) -> [modules]``    optional: the units FSDP shards under train.strategy=fsdp
 =====================================  =================================================================
 
 The job owns everything else: the sampler (the only source of item order), the seeding of the item-reading
@@ -33,7 +34,7 @@ from job.data.items import move
 from job.errors import UserCodeError
 
 REQUIRED = ("build_model", "dataset", "loss", "metrics")
-OPTIONAL = ("collate", "param_groups", "flops_per_item", "summarize")
+OPTIONAL = ("collate", "param_groups", "flops_per_item", "summarize", "shard_units")
 SPLITS = ("train", "val")
 DOC = "docs/tasks.md"
 

@@ -81,12 +81,18 @@ def build_parts(
         task.task.load_pending_weights(raw_model, env)
     raw_model = raw_model.to(device)
     groups = checked.param_groups
+    ema = None
     if cfg.train.strategy == "fsdp":
+        # The EMA copied from the whole model, then sharded like it (FSDP modules cannot be copied).
+        ema = build_ema(raw_model, cfg.ema)
+        if ema is not None:
+            fsdp.shard(ema.module, cfg, task, device, env.world_size)
         # Sharded in place: the model IS the wrapper (its parameters are DTensors of this rank's chunks).
         names = {id(p): n for n, p in raw_model.named_parameters()}
         raw_model = model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
         groups = fsdp.remap_groups(groups, names, raw_model)
     else:
+        ema = build_ema(raw_model, cfg.ema)
         settle = _loss_probe(task, transfer(task, checked.batch, device))
         model = ddp.wrap_model(raw_model, cfg, rt, settle)  # DDP with its knobs/comm hook, or the dp baseline
     train_model = model
@@ -104,7 +110,7 @@ def build_parts(
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg.sched, plan.total_steps),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
-        ema=build_ema(raw_model, cfg.ema),
+        ema=ema,
         task=task,
         metric_names=checked.metric_names,
         autocast=autocast(cfg.train.precision, device),
