@@ -148,6 +148,27 @@ def test_checkpoint_holds_every_ranks_shards_and_commits_them(runs: dict[str, An
 
 
 @pytest.mark.integration
+def test_a_corrupt_shard_or_a_bare_metadata_falls_back_to_the_previous_checkpoint(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """A flipped byte in one rank's shard fails verification; a step directory holding DCP's ``.metadata`` but no
+    manifest (a save cut before its commit) is not a checkpoint. Either way the newest valid one is used, and
+    nothing is deleted."""
+    from job.checkpoint import store
+
+    run_dir = tmp_path / "fsdp"
+    shutil.copytree(runs["out"] / "fsdp", run_dir, ignore=shutil.ignore_patterns("visits"))
+    shard = run_dir / "step-0000006" / "shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (run_dir / "step-0000004" / "manifest.json").unlink()
+    found = store.find_latest(run_dir)
+    assert found is not None and found.step == 2
+    assert (run_dir / "step-0000004" / "shards" / ".metadata").exists() and shard.exists()
+
+
+@pytest.mark.integration
 def test_resume_at_the_same_world_size_is_bitwise(runs: dict[str, Any], tmp_path: Path) -> None:
     out = runs["out"]
     assert "resumed from" in runs["logs"]["same"]

@@ -272,11 +272,11 @@ def _checkpointer(
     else:
         states.add("model", parts.raw_model)
         states.add("optimizer", OptimizerState(parts.optimizer, parallel.before_save))
-        if parts.ema is not None:  # optional: a run may enable EMA on resume (with ckpt.allow_config_change)
-            states.add("ema", parts.ema, optional=True)
     states.add("scheduler", Schedule(parts.scheduler, layout, state))
     states.add("scaler", parts.scaler)
     states.add("rng", RngStates(parts.device, env.rank, env.world_size, rt.control_group, layout))
+    if parts.ema is not None and sharded is None:  # optional: a run may enable EMA on resume (allow_config_change)
+        states.add("ema", parts.ema, optional=True)
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and parts.device.type == "cuda")
     manager = ckpt.CheckpointManager(
         cfg.run_dir, cfg.ckpt.keep_last, async_save, env.is_main, cfg.debug.ckpt_write_delay_s, sharded
