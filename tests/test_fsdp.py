@@ -38,7 +38,7 @@ def train_args(out: Path, corpus: Path, name: str, *extra: str) -> list[str]:
         *("--sched.name", "cosine", "--sched.warmup-steps", "2", "--train.grad-clip-norm", "0.5"),
         *("--train.steps", str(STEPS), "--train.global-batch-size", str(GLOBAL), "--train.micro-batch-size", "2"),
         *("--ckpt.every", "2", "--ckpt.keep-last", "5", "--log.every", "1", "--log.tensorboard", "false"),
-        *("--ema.enabled", "true", "--ema.decay", "0.5"),
+        *("--ema.enabled", "true", "--ema.decay", "0.5", "--debug.nan-at-steps", "[3]"),
         *extra,
     ]
 
@@ -117,7 +117,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.integration
 def test_fsdp_ends_within_fp32_tolerance_of_ddp(runs: dict[str, Any], tmp_path: Path) -> None:
-    """Clipping, accumulation (4 micro-batches, one reduce-scatter), AdamW with decay, warmup + cosine, EMA."""
+    """Clipping, accumulation (4 micro-batches, one reduce-scatter), AdamW with decay, warmup + cosine, EMA, and
+    a NaN loss at step 3 that the non-finite guard skips."""
     out = runs["out"]
     ddp_state = load_final_state(out / "ddp")
     fsdp = shards(newest(out / "fsdp"), tmp_path)
@@ -128,6 +129,7 @@ def test_fsdp_ends_within_fp32_tolerance_of_ddp(runs: dict[str, Any], tmp_path: 
     print(f"\nmax |param diff| FSDP vs DDP, 2 processes, fp32, {STEPS} steps: {diff:.3g} (EMA {ema_diff:.3g})")
     assert diff <= 1e-5 and ema_diff <= 1e-5
     assert int(fsdp["ema"]["n_averaged"]) == int(ddp_state["ema"]["n_averaged"]) == STEPS
+    assert load_final_state(out / "fsdp")["trainer"]["nonfinite_skips"] == ddp_state["trainer"]["nonfinite_skips"] == 1
     start = load_final_state(out / "ddp")  # the final state; step 2's parameters are far from it
     moved = max_diff(shards(out / "fsdp" / "step-0000002", tmp_path)["model"], start["model"])
     assert moved > 1e-3, "parameters barely moved: the comparison would be vacuous"
