@@ -6,6 +6,7 @@ Real torchrun runs on gloo of the causal language model, its training items coun
   same     resumed from fsdp's step 2 at 2 processes (bitwise)
   one      resumed from fsdp's step 2 at 1 process, ends at step 6 (its step 4 is saved)
   four     resumed from one's step 4 at 4 processes: the 2 -> 1 -> 4 chain
+  again    resumed from four's step 5 at 4 processes (bitwise)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def train_args(out: Path, corpus: Path, name: str, *extra: str) -> list[str]:
         *("--optim.name", "adamw", "--optim.lr", "0.003", "--optim.weight-decay", "0.1"),
         *("--sched.name", "cosine", "--sched.warmup-steps", "2", "--train.grad-clip-norm", "0.5"),
         *("--train.steps", str(STEPS), "--train.global-batch-size", str(GLOBAL), "--train.micro-batch-size", "2"),
-        *("--ckpt.every", "2", "--ckpt.keep-last", "5", "--log.every", "1", "--log.tensorboard", "false"),
+        *("--ckpt.every", "1", "--ckpt.keep-last", "5", "--log.every", "1", "--log.tensorboard", "false"),
         *("--ema.enabled", "true", "--ema.decay", "0.5", "--debug.nan-at-steps", "[3]"),
         *extra,
     ]
@@ -76,6 +77,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     logs["one"] = run(1, train_args(out, corpus, "one", *resize), out)
     resume_from(out / "one", 4, out / "four")
     logs["four"] = run(4, train_args(out, corpus, "four", *resize), out)
+    resume_from(out / "four", 5, out / "again")
+    logs["again"] = run(4, train_args(out, corpus, "again", *fsdp), out)
     return {"out": out, "corpus": corpus, "logs": logs}
 
 
@@ -164,21 +167,24 @@ def test_a_corrupt_shard_or_a_bare_metadata_falls_back_to_the_previous_checkpoin
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    (run_dir / "step-0000004" / "manifest.json").unlink()
+    (run_dir / "step-0000005" / "manifest.json").unlink()
     found = store.find_latest(run_dir)
-    assert found is not None and found.step == 2
-    assert (run_dir / "step-0000004" / "shards" / ".metadata").exists() and shard.exists()
+    assert found is not None and found.step == 4
+    assert (run_dir / "step-0000005" / "shards" / ".metadata").exists() and shard.exists()
 
 
 @pytest.mark.integration
-def test_resume_at_the_same_world_size_is_bitwise(runs: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("whole", "resumed"), [("fsdp", "same"), ("four", "again")], ids=["2", "4"])
+def test_resume_at_the_same_world_size_is_bitwise(
+    runs: dict[str, Any], tmp_path: Path, whole: str, resumed: str
+) -> None:
     out = runs["out"]
-    assert "resumed from" in runs["logs"]["same"]
-    want, got = shards(newest(out / "fsdp"), tmp_path), shards(newest(out / "same"), tmp_path)
+    assert "resumed from" in runs["logs"][resumed]
+    want, got = shards(newest(out / whole), tmp_path), shards(newest(out / resumed), tmp_path)
     assert_bitwise_equal(want["model"], got["model"], "model")
     assert_bitwise_equal(want["optimizer"], got["optimizer"], "optimizer")
     assert_bitwise_equal(want["ema"], got["ema"], "ema")
-    assert load_final_state(out / "fsdp")["trainer"] == load_final_state(out / "same")["trainer"]
+    assert load_final_state(out / whole)["trainer"] == load_final_state(out / resumed)["trainer"]
 
 
 @pytest.mark.integration
