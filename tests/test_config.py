@@ -210,6 +210,7 @@ def test_every_shipped_config_loads_with_its_values() -> None:
         "container.yaml",
         "cpu-smoke.yaml",
         "lm-cpu.yaml",
+        "lm-fsdp.yaml",
         "resnet50-imagenet.yaml",
         "synthetic-benchmark.yaml",
     ]

@@ -67,6 +67,8 @@ class Checkpointer:
 
     def restore(self, found: Found) -> None:
         self.states.load_state_dict(load_state(found))
+        if self.manager.sharded is not None:
+            self.manager.sharded.load(found.path)
         self.saved_step = found.step
         self._run_time_s = float(found.manifest.get(RUN_TIME, 0.0))
         self._stop_saves = int(found.manifest.get(STOP_SAVES, 0))

@@ -7,7 +7,10 @@ rank, so one rank-0 file is complete and easy to inspect):
         state.pt        model (unwrapped), optimizer, scheduler, scaler, trainer state, RNG of every rank
         manifest.json   written LAST: sizes + sha256 of every file, step, world size, resolved config
 
-A save goes to ``step-0000120.tmp-<pid>-<n>/``; every file is fsynced, then the manifest, then the
+Under ``train.strategy: fsdp`` the step directory also holds ``shards/``, every rank's model and optimizer
+shards (job.checkpoint.sharded), listed in the manifest like ``state.pt``.
+
+A save goes to ``step-0000120.tmp-<pid>-<n>/`` (``.tmp-shards`` under fsdp); every file is fsynced, then the manifest, then the
 directory is renamed and the parent fsynced. A directory counts as a checkpoint only if its name is final
 AND its manifest verifies, so a crash, a full disk or a second signal mid-save leaves at worst a ``.tmp``
 directory that is ignored and cleaned up later. "Latest" is found by scanning, never by a pointer file.
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from job.checkpoint.sharded import Sharded
 from job.checkpoint.snapshot import HostStaging, to_host
 from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
 
@@ -147,11 +151,17 @@ def nonfinite_entries(obj: Any, prefix: str = "") -> list[str]:
     return []
 
 
-def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+def _write_checkpoint(
+    run_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any], tmp: Path | None = None
+) -> Path:
+    """``tmp``: the directory the ranks' shards were written to (job.checkpoint.sharded), committed with the rest."""
     final = run_dir / step_dir_name(step)
-    tmp = run_dir / f"{final.name}.tmp-{os.getpid()}-{threading.get_ident() % 10000}"
+    if tmp is None:
+        tmp = run_dir / f"{final.name}.tmp-{os.getpid()}-{threading.get_ident() % 10000}"
+        tmp.mkdir(parents=True)
     bad = nonfinite_entries(state)
     if bad:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise NonFiniteStateError(
             f"not saving checkpoint {final}: non-finite values in {', '.join(bad[:5])}"
             + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -159,15 +169,14 @@ def _write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], meta: dic
             "lower optim.lr, set train.grad_clip_norm, or check the data.",
         )
     try:
-        tmp.mkdir(parents=True)
         state_path = tmp / STATE_FILE
         with state_path.open("wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        manifest = dict(
-            meta, step=step, files={STATE_FILE: {"size": state_path.stat().st_size, "sha256": _sha256(state_path)}}
-        )
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        listed = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        manifest = dict(meta, step=step, files=listed)
         mpath = tmp / MANIFEST
         with mpath.open("w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -237,9 +246,19 @@ class CheckpointManager:
     """Saves (rank 0 only), prunes to the newest ``keep_last`` valid checkpoints, finds the latest."""
 
     def __init__(
-        self, run_dir: Path, keep_last: int, async_save: bool, is_main: bool, write_delay_s: float = 0.0
+        self,
+        run_dir: Path,
+        keep_last: int,
+        async_save: bool,
+        is_main: bool,
+        write_delay_s: float = 0.0,
+        sharded: Sharded | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.sharded = sharded
+        """Under fsdp: every rank writes its shards first (synchronously), then rank 0 commits them with the rest."""
+        if sharded is not None:
+            async_save = False
         self.write_delay_s = write_delay_s
         self.keep_last = keep_last
         self.async_save = async_save
@@ -266,6 +285,9 @@ class CheckpointManager:
         here it is only evaluated on rank 0.
         """
         self.wait()  # at most one save in flight; also surfaces a background failure
+        shards = None
+        if self.sharded is not None:
+            shards = self.sharded.save(self.run_dir, step_dir_name(step), self.is_main)
         if not self.is_main:
             return
         taken = time.monotonic()
@@ -279,15 +301,17 @@ class CheckpointManager:
             # Logged once the writer runs, so "in flight" is true for anyone who reacts to this line.
             log.info("writing checkpoint %s in the background", self.run_dir / step_dir_name(step))
         else:
-            self._write_and_prune(step, state, meta, taken)
+            self._write_and_prune(step, state, meta, taken, shards)
             self._raise_pending()
 
-    def _write_and_prune(self, step: int, state: dict[str, Any], meta: dict[str, Any], taken: float) -> None:
+    def _write_and_prune(
+        self, step: int, state: dict[str, Any], meta: dict[str, Any], taken: float, shards: Path | None = None
+    ) -> None:
         try:
             t0 = time.perf_counter()
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
-            path = _write_checkpoint(self.run_dir, step, state, meta)
+            path = _write_checkpoint(self.run_dir, step, state, meta, shards)
             self.last_write_s = time.perf_counter() - t0
             self.committed = (step, taken)  # one assignment: a reader on another thread sees old or new
             log.info("saved checkpoint %s", path)

@@ -288,9 +288,10 @@ class TrainConfig(BaseModel):
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     """Cross-entropy label smoothing."""
-    strategy: Literal["ddp", "dp"] = "ddp"
-    """ddp: DistributedDataParallel (one process per GPU); dp: single-process nn.DataParallel over the visible
-    GPUs, a baseline for comparison only (refused on CPU and with more than one process)."""
+    strategy: Literal["ddp", "fsdp", "dp"] = "ddp"
+    """ddp: DistributedDataParallel (one process per GPU); fsdp: parameters, gradients and optimizer state sharded
+    over the ranks (FSDP2 fully_shard, the fsdp section; docs/sharding.md); dp: single-process nn.DataParallel over
+    the visible GPUs, a baseline for comparison only (refused on CPU and with more than one process)."""
     tf32: bool = False
     """Allow TF32 for fp32 matmuls and convolutions on CUDA (faster, ~10-bit mantissa); false = full fp32."""
     eval_every: int = Field(0, ge=0)
@@ -415,6 +416,18 @@ class DdpConfig(BaseModel):
     """Count gradient all-reduce calls per optimizer step and log them at the end (a counting comm hook)."""
 
 
+class FsdpConfig(BaseModel):
+    """Sharding under train.strategy=fsdp (torch.distributed.fsdp.fully_shard; docs/sharding.md)."""
+
+    model_config = _SECTION
+    units: tuple[str, ...] = ()
+    """Class names of the modules sharded as one unit each (their parameters are gathered together), e.g.
+    [Block]; empty: the task's shard_units(model), else the root alone. The root is always a unit too."""
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gathered again for backward): less memory, one
+    all-gather more per unit and micro-batch."""
+
+
 class EmaConfig(BaseModel):
     """Exponential moving average of the weights, evaluated and checkpointed alongside the model."""
 
@@ -500,6 +513,8 @@ class DebugConfig(BaseModel):
     ckpt_save_delay_s_by_rank: tuple[Annotated[float, Field(ge=0)], ...] = ()
     """Rank i sleeps the i-th value (seconds; none past the end) in each save, before it returns to training:
     gives the ranks different save stalls (ckpt.every=auto must still save on every rank at the same steps)."""
+    fail_load_rank: int = Field(-1, ge=-1)
+    """train.strategy=fsdp: this rank fails to load its checkpoint shards on resume (-1: none)."""
 
 
 class JobConfig(BaseSettings):
@@ -539,6 +554,8 @@ class JobConfig(BaseSettings):
     """Logging."""
     ddp: DdpConfig = Field(default_factory=DdpConfig)
     """DDP knobs and communication hooks."""
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
+    """Sharding under train.strategy=fsdp."""
     ema: EmaConfig = Field(default_factory=EmaConfig)
     """Weight EMA."""
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)

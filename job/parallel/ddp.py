@@ -43,6 +43,10 @@ def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
             setting="ddp.comm_hook",
             value="powersgd",
         )
+    if cfg.train.strategy == "fsdp":
+        from job.parallel import fsdp
+
+        fsdp.validate(cfg)
     if cfg.train.strategy != "dp":
         return
     if not cuda_available:

@@ -18,6 +18,7 @@ A task is any object with these members (docs/tasks.md is the user's page):
 ``frozen_modules(model) -> [module]``  optional: modules kept in eval mode while training (frozen BatchNorm)
 ``transfer(batch, device) -> batch``   optional: the batch on the device; default: every tensor copied there
 ``describe_data() -> str``             optional: one line on the data, for the doctor
+``shard_units(model) -> [modules]``    optional: the units FSDP shards under train.strategy=fsdp
 =====================================  =================================================================
 
 The job owns everything else: the sampler (the only source of item order), the seeding of the item-reading
@@ -50,6 +51,7 @@ OPTIONAL = (
     "frozen_modules",
     "transfer",
     "describe_data",
+    "shard_units",
 )
 """The members a user's task may have beyond the required ones: each is in docs/tasks.md's table."""
 BUILTIN = ("prepare", "initial_weights", "load_pending_weights", "check_built", "example_batch", "loaders")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 from job.config import EmaConfig
@@ -77,8 +78,15 @@ class Ema:
 
 
 def _tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Parameters then buffers, detached, in AveragedModel's order."""
-    return [t.detach() for t in itertools.chain(model.parameters(), model.buffers())]
+    """Parameters then buffers, detached, in AveragedModel's order. Under fsdp the EMA is sharded like the model
+    (job.train.parts), so each rank averages its own shards: the local tensors, which the foreach ops take."""
+    return [_local(t.detach()) for t in itertools.chain(model.parameters(), model.buffers())]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return t
 
 
 def build_ema(model: nn.Module, cfg: EmaConfig) -> Ema | None:

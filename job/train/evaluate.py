@@ -7,6 +7,7 @@ disjoint shard of the validation set, then one all-reduce adds every rank's sums
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from job.observe.metrics import NullWriter
-from job.parallel import distributed
+from job.parallel import distributed, fsdp
 from job.train.parts import Parts
 
 
@@ -32,11 +33,11 @@ def evaluate(model: nn.Module, parts: Parts) -> dict[str, float]:
     totals = torch.zeros(2 * len(names) + 1, dtype=torch.float64, device=parts.device)
     info = parts.loaders.val_info
     totals[-1] = info.stop - info.start  # this rank's items: its shard of the sampler
-    for batch in parts.loaders.val:
-        batch = parts.to_device(batch)
+    for batch, counted in _batches(model, parts):
         with parts.autocast:
             values = parts.task.metrics(model, batch)
-        _add(totals, values, names, parts)
+        if counted:
+            _add(totals, values, names, parts)
     dist.all_reduce(totals)
     sums = totals.tolist()
     model.train(was_training)
@@ -44,6 +45,27 @@ def evaluate(model: nn.Module, parts: Parts) -> dict[str, float]:
     out["val/count"] = sums[-1]
     out.update(parts.task.summarize(out))
     return out
+
+
+def _batches(model: nn.Module, parts: Parts) -> Iterator[tuple[Any, bool]]:
+    """(batch on the device, whether its metrics count) for this rank's validation batches. Under fsdp every
+    forward is a collective (each unit's all-gather), so while any rank still has a batch, a rank whose shard
+    has ended runs the preflight batch uncounted: one flag all-reduce per batch."""
+    loader = iter(parts.loaders.val)
+    if not fsdp.is_fsdp(model):
+        for batch in loader:
+            yield parts.to_device(batch), True
+        return
+    while True:
+        batch = next(loader, None)
+        more = torch.tensor([int(batch is not None)], device=parts.device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more.item():
+            return
+        if batch is None:
+            yield parts.to_device(parts.probe_batch), False
+        else:
+            yield parts.to_device(batch), True
 
 
 def _add(totals: torch.Tensor, values: dict[str, tuple[Any, Any]], names: tuple[str, ...], parts: Parts) -> None:

@@ -19,7 +19,7 @@ from job.config import JobConfig
 from job.config.plan import Plan
 from job.data.items import task_loaders
 from job.data.loaders import Loaders
-from job.parallel import ddp, distributed
+from job.parallel import ddp, distributed, fsdp
 from job.tasks.contract import Bound, TrainingStep
 from job.tasks.load import load_task
 from job.tasks.preflight import Checked, check_task, transfer
@@ -50,6 +50,8 @@ class Parts:
     autocast: contextlib.AbstractContextManager[Any]
     guard: NonFiniteGuard
     """Skips non-finite updates on the device and counts them (job.train.guard)."""
+    probe_batch: Any = None
+    """Preflight's batch (on the CPU): the uncounted forward of a rank whose validation shard ended (fsdp)."""
 
     def to_device(self, batch: Any) -> Any:
         """A batch as the task's loss and metrics take it, on the training device."""
@@ -79,15 +81,29 @@ def build_parts(
     if initial_weights and task.has("load_pending_weights"):
         task.task.load_pending_weights(raw_model, env)
     raw_model = raw_model.to(device)
-    settle = _loss_probe(transfer(task, checked.batch, device))
-    # The wrapper wraps the task's step, not the model: loss gets the user's own module, as everywhere else.
-    model = ddp.wrap_model(
-        TrainingStep(raw_model, task), cfg, rt, settle
-    )  # DDP with its knobs/comm hook, or the dp baseline
+    groups = checked.param_groups
+    if cfg.train.strategy == "fsdp":
+        # The EMA copied from the whole model, then sharded like it (FSDP modules cannot be copied).
+        ema = build_ema(raw_model, cfg.ema)
+        if ema is not None:
+            fsdp.shard(ema.module, cfg, task, device, env.world_size)
+        # Sharded in place: the model's own hooks gather and reduce-scatter (its parameters are DTensors of this
+        # rank's chunks); the step module only hands loss the user's module, as everywhere else.
+        names = {id(p): n for n, p in raw_model.named_parameters()}
+        raw_model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
+        groups = fsdp.remap_groups(groups, names, raw_model)
+        model: nn.Module = TrainingStep(raw_model, task)
+    else:
+        ema = build_ema(raw_model, cfg.ema)
+        settle = _loss_probe(transfer(task, checked.batch, device))
+        # The wrapper wraps the task's step, not the model: loss gets the user's own module, as everywhere else.
+        model = ddp.wrap_model(TrainingStep(raw_model, task), cfg, rt, settle)  # DDP, or the dp baseline
     train_model = model
     if cfg.model.compile:
         train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
-    optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device, checked.param_groups)
+    optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device, groups)
+    if cfg.train.strategy == "fsdp":
+        fsdp.init_optimizer_state(optimizer)  # a sharded load needs the state's shape (job.parallel.fsdp)
     return Parts(
         device=device,
         loaders=loaders,
@@ -97,11 +113,12 @@ def build_parts(
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg.sched, plan.total_steps),
         scaler=torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16"),
-        ema=build_ema(raw_model, cfg.ema),
+        ema=ema,
         task=task,
         metric_names=checked.metric_names,
         autocast=autocast(cfg.train.precision, device),
         guard=NonFiniteGuard(optimizer, device, cfg.train.max_nonfinite_skips, cfg.train.precision == "fp16"),
+        probe_batch=checked.batch,
     )
 
 

@@ -24,6 +24,7 @@ from job.checkpoint import cadence
 from job.checkpoint import store as ckpt
 from job.checkpoint.checkpointer import Checkpointer
 from job.checkpoint.resume import agree_on_checkpoint, find_resume
+from job.checkpoint.sharded import Sharded
 from job.checkpoint.states import Layout, ModelState, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
 from job.cluster.env import NOTICE_VAR, DistEnv, detect_env, interruptions, launcher_notice_s
@@ -35,7 +36,7 @@ from job.errors import EXIT_PREEMPTED, BadInput
 from job.observe import metrics, report
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
-from job.parallel import distributed
+from job.parallel import distributed, fsdp
 from job.tasks.contract import Bound
 from job.tasks.load import load_task
 from job.tasks.preflight import Checked, check_task
@@ -82,6 +83,7 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
         log.info("resuming: model.weights=%s is not loaded (the checkpoint holds the weights)", cfg.model.weights)
     task = load_task(cfg)
     checked = check_task(task, cfg, env, plan, cuda, load_weights=found is None)
+    fsdp.check_units(checked.model, cfg, task)
     return Preflight(plan, task, checked, found)
 
 
@@ -266,18 +268,23 @@ def _checkpointer(
     states = States()
     states.add("layout", layout)
     states.add("trainer", Progress(state, layout, plan.micro_batch_size))
-    states.add("model", ModelState(parts.raw_model))
-    states.add("optimizer", OptimizerState(parts.optimizer, parallel.before_save))
+    sharded = None
+    if cfg.train.strategy == "fsdp":  # model and optimizer: every rank's own shards (job.checkpoint.sharded)
+        fail = cfg.debug.fail_load_rank == env.rank
+        sharded = Sharded(parts.raw_model, parts.optimizer, env.rank, rt.control_group, fail, parts.ema)
+    else:
+        states.add("model", ModelState(parts.raw_model))
+        states.add("optimizer", OptimizerState(parts.optimizer, parallel.before_save))
     states.add("scheduler", Schedule(parts.scheduler, layout, state))
     states.add("scaler", parts.scaler)
     states.add("rng", RngStates(parts.device, env.rank, env.world_size, rt.control_group, layout))
-    if parts.ema is not None:  # optional: a run may enable EMA on resume (with ckpt.allow_config_change)
+    if parts.ema is not None and sharded is None:  # optional: a run may enable EMA on resume (allow_config_change)
         states.add("ema", parts.ema, optional=True)
     if parts.task.stateful():  # the task's own state: a teacher, a memory bank, a curriculum counter
         states.add("task", parts.task.task)
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and parts.device.type == "cuda")
     manager = ckpt.CheckpointManager(
-        cfg.run_dir, cfg.ckpt.keep_last, async_save, env.is_main, cfg.debug.ckpt_write_delay_s
+        cfg.run_dir, cfg.ckpt.keep_last, async_save, env.is_main, cfg.debug.ckpt_write_delay_s, sharded
     )
     manager.clean_stale_tmp()
 

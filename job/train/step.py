@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from job.config import TrainConfig
 from job.config.plan import Plan
-from job.parallel import ddp
+from job.parallel import ddp, fsdp
 from job.train.parts import Parts
 
 
@@ -81,7 +81,7 @@ def train_step(
         batch = parts.to_device(next(batches))
         data_wait += time.perf_counter() - t0
         # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
-        with _sync_context(parts.model, sync=micro == last):
+        with _sync_context(parts, sync=micro == last):
             with parts.autocast:
                 loss, n, values = parts.train_model(batch)  # the task's loss(raw_model, batch)
                 if n is None:  # a mean: each micro-batch weighs alike
@@ -140,22 +140,25 @@ def _accumulate(extras: dict[str, torch.Tensor], values: dict[str, torch.Tensor]
             extras[name] = v
 
 
-def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+def _sync_context(parts: Parts, sync: bool) -> contextlib.AbstractContextManager[Any]:
     if sync:
         return contextlib.nullcontext()
+    if fsdp.is_fsdp(parts.raw_model):  # sharded in place: the model itself holds the gradient sync switch
+        return fsdp.no_sync(parts.raw_model)
     # DDP and the DataParallel baseline both have no_sync(); the type says Module.
-    return cast(DistributedDataParallel, model).no_sync()
+    return cast(DistributedDataParallel, parts.model).no_sync()
 
 
 def _unscale_and_norm(parts: Parts, clip_norm: float, factor: torch.Tensor | None = None) -> torch.Tensor:
     parts.scaler.unscale_(parts.optimizer)
     params = list(parts.raw_model.parameters())
-    if factor is not None:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+    if factor is not None:  # under fsdp each rank scales its own shards (the factor is the same everywhere)
+        torch._foreach_mul_([fsdp.local(p.grad) for p in params if p.grad is not None], factor)
+    # Under fsdp the norm of sharded gradients is a DTensor reduced over the ranks: the global norm.
     if clip_norm > 0:
-        return nn.utils.clip_grad_norm_(params, clip_norm, foreach=True)
+        return fsdp.full_value(nn.utils.clip_grad_norm_(params, clip_norm, foreach=True))
     # The norm alone (logged, finite check): clip_grad_norm_ with inf would also rescale every gradient by 1.
-    return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    return fsdp.full_value(nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True))
 
 
 def _update(parts: Parts, found_inf: torch.Tensor) -> None:

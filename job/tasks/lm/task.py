@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -106,6 +106,10 @@ class CausalLM:
 
     def build_model(self) -> nn.Module:
         return GPT(self.gpt)
+
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        """Under train.strategy=fsdp: one unit per transformer block."""
+        return list(cast(GPT, model).blocks)
 
     def dataset(self, split: str) -> TokenWindows:
         return TokenWindows(self.path / FILES[split], self.gpt.seq_len, jitter=self.jitter and split == "train")

@@ -1,0 +1,158 @@
+"""``train.strategy: fsdp``: parameters, gradients and optimizer state sharded over all ranks with FSDP2
+(``torch.distributed.fsdp.fully_shard``) on a 1-D device mesh.
+
+The units (modules whose parameters are gathered together, one all-gather each) are the modules whose class
+names ``fsdp.units`` lists, else those the task's optional ``shard_units(model)`` returns; the root is always
+one more unit, holding every parameter no unit owns. Preflight checks the units on the model it built
+(``check_units``: exit 2 before any process group); ``shard`` then shards that same model in place, so FSDP starts
+from exactly the parameters DDP would (every rank built them identically from the seeded RNG). See
+docs/sharding.md for when to choose it and what it costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from job.config import JobConfig
+from job.errors import BadInput
+
+
+def validate(cfg: JobConfig) -> None:
+    """Refuse settings that make no sense under fsdp, before any process group.
+
+    Raises:
+        BadInput: naming both settings and the fix.
+    """
+    if cfg.optim.zero:
+        raise BadInput(
+            "optim.zero=true with train.strategy='fsdp': FSDP already shards the optimizer state (and the "
+            "parameters and gradients); ZeRO on top of it is redundant.",
+            "--optim.zero false (keep --train.strategy fsdp), or --train.strategy ddp to keep optim.zero.",
+            setting="optim.zero",
+            value=True,
+        )
+
+
+def unit_modules(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.Module]:
+    """The modules sharded as units, in ``model.modules()`` order, the root excluded.
+
+    Raises:
+        BadInput: a name in ``fsdp.units`` that is the class of no module of the model.
+    """
+    names = cfg.fsdp.units
+    if not names:
+        if task is not None and task.has("shard_units"):
+            return [m for m in task.task.shard_units(model) if m is not model]
+        return []
+    present = {type(m).__name__ for m in model.modules()}
+    for name in names:
+        if name not in present:
+            raise BadInput(
+                f"fsdp.units lists {name!r}, but no module of the model has that class. Its classes: "
+                f"{', '.join(sorted(present))}.",
+                "list class names of the model's repeated blocks, e.g. --fsdp.units '[Block]'.",
+                setting="fsdp.units",
+                value=list(names),
+            )
+    wanted = set(names)
+    return [m for m in model.modules() if m is not model and type(m).__name__ in wanted]
+
+
+def check_units(model: nn.Module, cfg: JobConfig, task: Any) -> None:
+    """Preflight, on the model it built: the configured units exist (exit 2 otherwise)."""
+    if cfg.train.strategy == "fsdp":
+        unit_modules(model, cfg, task)
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """Compute in the autocast dtype (bf16/fp16) with gathered parameters in that dtype; gradients are reduced
+    and the sharded parameters kept in fp32, so the optimizer's update is fp32 as under DDP."""
+    param_dtype = None
+    if precision == "bf16":
+        param_dtype = torch.bfloat16
+    elif precision == "fp16":
+        param_dtype = torch.float16
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard(model: nn.Module, cfg: JobConfig, task: Any, device: torch.device, world_size: int) -> nn.Module:
+    """Shard ``model`` (on ``device``, identical on every rank) in place over all ranks: each unit, then the
+    root. Its parameters become DTensors holding this rank's dim-0 chunk; the rest is freed."""
+    mesh = init_device_mesh(device.type, (world_size,))
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
+        "mp_policy": mixed_precision(cfg.train.precision),
+    }
+    for unit in unit_modules(model, cfg, task):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def remap_groups(groups: list[dict[str, Any]] | None, names: dict[int, str], model: nn.Module) -> Any:
+    """A task's parameter groups (of the model before sharding, ``names``: id -> name) over the sharded
+    parameters that replaced them."""
+    if groups is None:
+        return None
+    now = dict(model.named_parameters())
+    return [{**g, "params": [now[names[id(p)]] for p in g["params"]]} for g in groups]
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate unsharded gradients locally: the micro-batches inside reduce-scatter nothing; the next one
+    outside reduce-scatters the sum once."""
+    fsdp_model: Any = model
+    fsdp_model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        fsdp_model.set_requires_gradient_sync(True)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor reduction (a gradient norm over shards) as the plain tensor every rank agrees on."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of ``t`` (a view: in-place changes reach the DTensor); ``t`` itself when plain."""
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def init_optimizer_state(optimizer: Optimizer) -> None:
+    """Create the optimizer's state for every parameter now, equal to a fresh state (zeros, step 0).
+
+    Why: a sharded checkpoint load needs the state's shape in advance (DCP loads in place), and torch's helper
+    creates it only when the optimizer has none. Created here, before the first step, the state holds every
+    parameter at save time and at load time alike (a parameter that never gets a gradient would otherwise have
+    no state when saved, and the load fails on its missing keys). The creating step runs at lr 0 on zero
+    gradients, then every state tensor is zeroed: for SGD (dampening 0) and AdamW the first real step then
+    computes exactly what it computes on a fresh state.
+    """
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()

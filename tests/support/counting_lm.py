@@ -1,0 +1,60 @@
+"""The built-in causal_lm task with every trained sample counted: ``support.counting_lm:task`` takes causal_lm's
+options; each training process appends, in the directory the environment variable ``VISITS`` names, the index of every item it trains on
+(one line each, in order, to ``<pid>.txt``). Items are counted in ``loss`` on the training model only (a sharded
+module), so preflight's check of the loss and evaluation count nothing; read-ahead of the data pipeline neither."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import Dataset, default_collate
+
+from job.tasks.lm.task import CausalLM
+
+
+class Indexed(Dataset):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"tokens": self.inner[index], "index": torch.tensor(index)}
+
+
+class CountingLM:
+    def __init__(self, lm: CausalLM, visits: Path) -> None:
+        self.lm, self.visits = lm, visits
+
+    def build_model(self) -> nn.Module:
+        return self.lm.build_model()
+
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        return self.lm.shard_units(model)
+
+    def dataset(self, split: str) -> Indexed:
+        return Indexed(self.lm.dataset(split))
+
+    def collate(self, items: list[Any]) -> Any:
+        return default_collate(items)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(model, FSDPModule):
+            with (self.visits / f"{os.getpid()}.txt").open("a") as f:
+                f.write("".join(f"{i}\n" for i in batch["index"].tolist()))
+        return self.lm.loss(model, batch["tokens"])
+
+    def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
+        return self.lm.metrics(model, batch["tokens"])
+
+
+def task(**options: Any) -> CountingLM:
+    visits = Path(os.environ["VISITS"])  # not an option: a resumed run's config must equal the checkpoint's
+    visits.mkdir(parents=True, exist_ok=True)
+    return CountingLM(CausalLM.from_options(options), visits)
