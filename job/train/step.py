@@ -75,13 +75,15 @@ def train_step(
     data_wait = 0.0
     last = plan.grad_accum_steps - 1
     extras: dict[str, torch.Tensor] = {}
+    # What holds the gradient sync switch: the DDP wrapper, or under fsdp the model sharded in place.
+    sync_owner = parts.raw_model if fsdp.is_fsdp(parts.raw_model) else parts.model
     for micro in range(plan.grad_accum_steps):
         where.where = f"step {state.step + 1} micro-batch {micro + 1}/{plan.grad_accum_steps}"
         t0 = time.perf_counter()
         batch = parts.to_device(next(batches))
         data_wait += time.perf_counter() - t0
         # Gradients are all-reduced only on the last micro-step: no_sync() on the others.
-        with _sync_context(parts, sync=micro == last):
+        with _sync_context(sync_owner, sync=micro == last):
             with parts.autocast:
                 loss, n, values = parts.train_model(batch)  # the task's loss(raw_model, batch)
                 if n is None:  # a mean: each micro-batch weighs alike
@@ -140,13 +142,13 @@ def _accumulate(extras: dict[str, torch.Tensor], values: dict[str, torch.Tensor]
             extras[name] = v
 
 
-def _sync_context(parts: Parts, sync: bool) -> contextlib.AbstractContextManager[Any]:
+def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
     if sync:
         return contextlib.nullcontext()
-    if fsdp.is_fsdp(parts.raw_model):  # sharded in place: the model itself holds the gradient sync switch
-        return fsdp.no_sync(parts.raw_model)
+    if fsdp.is_fsdp(model):
+        return fsdp.no_sync(model)
     # DDP and the DataParallel baseline both have no_sync(); the type says Module.
-    return cast(DistributedDataParallel, parts.model).no_sync()
+    return cast(DistributedDataParallel, model).no_sync()
 
 
 def _unscale_and_norm(parts: Parts, clip_norm: float, factor: torch.Tensor | None = None) -> torch.Tensor:
