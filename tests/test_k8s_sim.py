@@ -3,7 +3,7 @@
 Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace; the
 container's command runs as written with the operator's environment; restarts follow restartPolicy.
 Faults: kill -9 of a worker pod, SIGTERM to every pod (node drain, with the image task and the language-model
-task), a worker pod that joins late.
+task), a worker pod that joins late, a time budget (train.max_time) that ends every attempt.
 """
 
 from __future__ import annotations
@@ -306,6 +306,23 @@ def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
     resumed = _resumed_steps(sim.log("ddp-smoke-master-0"))
     assert stopped and resumed[0] == int(stopped[0]) >= _config(sim)["ckpt"]["every"]
     assert _final_step(sim.log("ddp-smoke-master-0")) == _steps(sim)
+
+
+def test_time_budget_ends_each_attempt_with_143_and_the_pods_restart(tmp_path: Path) -> None:
+    """train.max_time spent at once: each attempt trains one step, saves it, records reason time-budget and
+    exits 143; restartPolicy ExitCode restarts the containers, which resume, until the run is done."""
+    docs = _with_args(kv.render(kv.K8S / "overlays" / "cpu-smoke"), "--train.steps", "2", "--train.max-time", "0.001")
+    with ks.Simulation(docs, tmp_path) as sim:
+        sim.start()
+        assert sim.wait(TIMEOUT) == "Succeeded", sim.log("ddp-smoke-master-0")[-4000:]
+    log = sim.log("ddp-smoke-master-0")
+    for name, pod in sim.pods.items():  # restarted in place: exit codes >= 128 are retried
+        assert pod.exit_codes[:2] == [143, 143], (name, pod.exit_codes, sim.events)
+    assert sim.pods["ddp-smoke-master-0"].exit_codes == [143, 143, 0], sim.events
+    stopped = re.findall(r"\[rank 0/\d+\] INFO stop requested \(time budget[^)]*\): saving at step (\d+)", log)
+    assert stopped == ["1", "2"], log[-4000:]
+    assert "stop save of step 1 (time-budget); exit code 143" in log, log[-4000:]
+    assert sorted(set(_resumed_steps(log))) == [1, 2] and _final_step(log) == 2  # every rank logs its resume
 
 
 def _rendered_config(docs: list[dict]) -> dict:

@@ -24,6 +24,10 @@ at that step's boundary).
 * A launcher that starts a new attempt of a job (the sbatch script, the submit task) removes the file in
   any state first (``begin_attempt``), so a request left by an attempt that was killed before it could
   honour it does not stop the new one.
+
+Whatever asked for the stop (a signal, the file, ``train.max_time``, a scheduler), rank 0 writes the stop
+record ``<run_dir>/STOPPED`` once the stop save is on storage (``write_record``): launchers requeue on it and
+exit 143 only with it (the stop contract, docs/design.md).
 """
 
 from __future__ import annotations
