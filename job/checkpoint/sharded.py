@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,9 +40,22 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from job.errors import CheckpointLoadError, NonFiniteStateError
-from job.train.ema import Ema
 
 log = logging.getLogger("job")
+
+
+class ShardedEma(Protocol):
+    """What a sharded checkpoint needs of the EMA (job.train.ema.Ema, a layer above this package): its module,
+    sharded like the model, and its update count."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def averaged(self) -> Any: ...
+
+    updates: int
+
 
 SHARDS = "shards"
 """The DCP folder inside a step directory."""
@@ -61,7 +74,7 @@ class Sharded:
         rank: int,
         group: Any = None,
         fail_load: bool = False,
-        ema: Ema | None = None,
+        ema: ShardedEma | None = None,
     ) -> None:
         self.model, self.optimizer, self.rank, self.group, self.fail_load = model, optimizer, rank, group, fail_load
         self.ema = ema

@@ -55,7 +55,8 @@ OPTIONAL = (
 )
 """The members a user's task may have beyond the required ones: each is in docs/tasks.md's table."""
 BUILTIN = ("prepare", "initial_weights", "load_pending_weights", "check_built", "example_batch", "loaders")
-"""Members the job asks of its own tasks only (``BuiltinTask``): the image task's data pipeline and weights.
+"""Members the job asks of its own tasks only (``Bound(..., builtin=True)``, which job.tasks.load alone passes):
+the image task's data pipeline and weights.
 A user's task with a method of one of these names is not asked for it."""
 SPLITS = ("train", "val")
 DOC = "docs/tasks.md"
@@ -74,10 +75,6 @@ class Task(Protocol):
     def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, tuple[Any, Any]]: ...
 
 
-class BuiltinTask:
-    """The base of the job's own tasks, the only ones asked for the ``BUILTIN`` members."""
-
-
 class Bound:
     """A task as the loop uses it: one shape per member's output, optional members filled with defaults.
 
@@ -85,7 +82,7 @@ class Bound:
     them reads a tensor's value, so a training step stays free of host synchronisation.
     """
 
-    def __init__(self, task: Any, name: str) -> None:
+    def __init__(self, task: Any, name: str, builtin: bool = False) -> None:
         missing = [m for m in REQUIRED if not callable(getattr(task, m, None))]
         if missing:
             raise self._error_for(
@@ -94,6 +91,8 @@ class Bound:
                 f"give it {', '.join(f'{m}(...)' for m in REQUIRED)} as {DOC} describes.",
             )
         self.task, self.name = task, name
+        self.builtin = builtin
+        """One of the job's own tasks: the only kind asked for the ``BUILTIN`` members."""
         self.collate: Callable[[list[Any]], Any] = getattr(task, "collate", None) or default_collate
         self.loss_fn: Callable[[nn.Module, Any], Any] = task.loss
         # Resolved once: the step calls it every micro-batch.
@@ -113,7 +112,7 @@ class Bound:
     def has(self, member: str) -> bool:
         """Whether the task has ``member``: one of the contract's, or of ``BUILTIN`` on a built-in task."""
         if member in BUILTIN:
-            return isinstance(self.task, BuiltinTask) and callable(getattr(self.task, member, None))
+            return self.builtin and callable(getattr(self.task, member, None))
         if member not in REQUIRED + OPTIONAL:
             raise ValueError(f"{member!r} is no member of the task contract: add it to OPTIONAL and {DOC}")
         return callable(getattr(self.task, member, None))

@@ -19,11 +19,11 @@ def load_task(cfg: JobConfig) -> Bound:
     """
     name = cfg.task.name
     if name == "image_classification":
-        return Bound(_image_task(cfg), name)
+        return Bound(_image_task(cfg), name, builtin=True)
     if name == "causal_lm":
         from job.tasks.lm.task import CausalLM
 
-        return Bound(CausalLM.from_options(cfg.task.options), name)
+        return Bound(CausalLM.from_options(cfg.task.options), name, builtin=True)
     fn = usercode.resolve("task.name", name)
     task = usercode.call("task.name", name, fn, cfg.task.options, "task.options")
     if task is None:

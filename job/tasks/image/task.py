@@ -23,7 +23,6 @@ from job.data.prefetch import wrap_loaders
 from job.data.source import Prepared, build_loaders, datasets, describe_data, prepare_data
 from job.errors import BadInput
 from job.observe.observer import train_flops_per_sample
-from job.tasks.contract import BuiltinTask
 from job.tasks.image import model as models
 from job.tasks.image import weights
 
@@ -32,7 +31,7 @@ METRICS = ("top1", "top5", "loss")
 """Validation metrics, in the order the FINAL line prints them."""
 
 
-class ImageClassification(BuiltinTask):
+class ImageClassification:
     """The image classifier of ``cfg.model`` on ``cfg.data``; ``prepare`` runs in preflight, once."""
 
     def __init__(self, cfg: JobConfig) -> None:
