@@ -94,6 +94,14 @@ def find_checkpoint(cfg: JobConfig) -> ckpt.Found:
 def checkpoint_state(found: ckpt.Found, cfg: JobConfig) -> dict[str, Any]:
     """The checkpoint's state (on the CPU); with ``ema.enabled`` it must hold an EMA."""
     saved = ckpt.load_state(found)
+    if "model" not in saved:  # train.strategy=fsdp: the model is every rank's shards (job.checkpoint.sharded)
+        raise BadInput(
+            f"the checkpoint {found.path} holds its model as every rank's shards (a train.strategy=fsdp run); "
+            "ddp-job evaluate reads whole-model checkpoints only.",
+            "resume the run with ddp-job train: its final evaluation is the same exact evaluation, under fsdp too.",
+            setting="ckpt.path",
+            value=str(found.path),
+        )
     if cfg.ema.enabled and saved.get("ema") is None:
         raise BadInput(
             f"ema.enabled=true, but the checkpoint {found.path} holds no EMA.",
