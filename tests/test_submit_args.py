@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from job.launchers.submit.args import (
     trainer_stop_signals,
 )
 from job.launchers.submit.command import build_parser
-from job.launchers.submit.task import node_address
+from job.launchers.submit.task import _SignalChain, node_address
 
 
 def test_parse_sweep() -> None:
@@ -258,3 +259,26 @@ def test_a_failed_task_reports_its_exit_code_as_data(tmp_path: Path) -> None:
     assert f"training failed in job(s) {job_id} (exit 2)" in proc.stderr
     assert submitit.LocalJob(tmp_path / "logs", job_id).results() == [2]
     assert "data.path=" in (tmp_path / "logs" / f"{job_id}_0_log.err").read_text()
+
+
+@pytest.mark.parametrize(("scontrol_ends", "requeued"), [("kill -TERM $$", True), ("exit 1", False)])
+def test_a_requeue_ended_by_slurms_sigterm_leaves_as_requeued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scontrol_ends: str, requeued: bool
+) -> None:
+    """Slurm ends a job it requeues with SIGTERM to all its processes, the ``scontrol requeue`` that asked included
+    (seen on the real cluster under load): the task leaves as after a requeue that returned (SystemExit, no
+    result). Any other scontrol failure is still an error."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "scontrol"
+    script.write_text(f"#!/bin/sh\n{scontrol_ends}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    chain = _SignalChain(signal.SIGUSR2, tmp_path, 0, 0)
+    # What submitit's handler runs to requeue (submitit.slurm.slurm.SlurmJobEnvironment._requeue).
+    chain._submitit_handler = lambda signum, frame: subprocess.check_call(["scontrol", "requeue", "8"], timeout=60)
+    expected: type[BaseException] = SystemExit
+    if not requeued:
+        expected = subprocess.CalledProcessError
+    with pytest.raises(expected):
+        chain.call_submitit(signal.SIGUSR2)

@@ -148,5 +148,20 @@ class _SignalChain:
     def call_submitit(self, signum: int) -> None:
         signal.alarm(0)
         handler = self._submitit_handler
-        if callable(handler):
+        if not callable(handler):
+            return
+        try:
             handler(signum, None)
+        except subprocess.CalledProcessError as err:
+            if not requeue_ended_by_slurm(err):
+                raise
+            # The requeue was accepted: Slurm ends this attempt by sending SIGTERM to every process of the job,
+            # the `scontrol requeue` that asked for it included, which can die before it returns. Leave as
+            # submitit does after a requeue it saw succeed (no result file: the next attempt resumes).
+            print("submit task: scontrol requeue was ended by Slurm's SIGTERM: the job is being requeued", flush=True)
+            sys.exit(-1)
+
+
+def requeue_ended_by_slurm(err: subprocess.CalledProcessError) -> bool:
+    """Whether submitit's ``scontrol requeue`` died of the SIGTERM with which Slurm ends a job it requeues."""
+    return err.returncode == -signal.SIGTERM and list(err.cmd)[:2] == ["scontrol", "requeue"]
