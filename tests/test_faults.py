@@ -40,6 +40,7 @@ from support.ci import bin_path, require
 from support.cli import base_env, make_data, user_code_env
 from support.runs import assert_bitwise_equal, tiny_args
 
+from job.checkpoint import store
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
 STEPS = 14  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
@@ -179,9 +180,9 @@ def jobs():
 
 
 def final_state(run_dir: Path) -> dict:
-    path = run_dir / f"step-{STEPS:07d}" / "state.pt"
-    assert path.is_file(), f"missing {path}: {sorted(p.name for p in run_dir.iterdir())}"
-    return torch.load(path, map_location="cpu", weights_only=True)
+    path = run_dir / f"step-{STEPS:07d}"
+    assert (path / "state.pt").is_file(), f"missing {path}: {sorted(p.name for p in run_dir.iterdir())}"
+    return store.read_checkpoint(path)
 
 
 # --- exact resume through every kind of interruption ------------------------------------------------------
@@ -432,9 +433,7 @@ def test_nan_loss_skips_the_update_and_is_never_saved(tmp_path: Path, tiny_data:
     r = subprocess.CompletedProcess([], procs[0].returncode, out1, err1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(re.findall(r"step [23]: non-finite loss or gradient norm; update skipped", r.stderr + r.stdout)) == 2
-    states = {
-        int(p.name[5:]): torch.load(p / "state.pt", weights_only=True) for p in (out / "nan").glob("step-???????")
-    }
+    states = {int(p.name[5:]): store.read_checkpoint(p) for p in (out / "nan").glob("step-???????")}
     assert sorted(states) == [1, 2, 3, 4]
     for step, st in states.items():
         for name, t in st["model"].items():
@@ -449,7 +448,7 @@ def test_nan_loss_skips_the_update_and_is_never_saved(tmp_path: Path, tiny_data:
     assert "step 3: more than train.max_nonfinite_skips=1" in r.stderr + r.stdout
     saved = sorted(int(p.name[5:]) for p in (out / "nan-stop").glob("step-???????"))
     assert saved == [1, 2]
-    st = torch.load(out / "nan-stop" / "step-0000002" / "state.pt", weights_only=True)
+    st = store.read_checkpoint(out / "nan-stop" / "step-0000002")
     assert all(torch.isfinite(t).all() for t in st["model"].values())
 
 
@@ -837,7 +836,7 @@ def test_rerun_after_a_full_disk_is_freed_resumes(
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run_dir = small_disk / "r"
     assert [p.name for p in sorted(run_dir.glob("step-???????"))] == ["step-0000003", "step-0000004"]
-    held = sum(f.stat().st_size for f in run_dir.rglob("step-*/*") if f.is_file())
+    held = sum(f.stat().st_size for f in run_dir.glob("step-*/**/*") if f.is_file())  # shards/ too
     monkeypatch.syspath_prepend(str(EXAMPLE))
     cfg = load_config(args, {})
     whole = checkpoint_bytes(cfg, build_model(cfg.model, 4)) * (2 + 1)  # keep_last + 1 being written

@@ -479,8 +479,6 @@ def test_user_package_image_on_top_of_ours_trains_with_the_user_model(
 ) -> None:
     """examples/tinyshapes/Dockerfile (FROM the image built above; no network needed) adds the user package; its
     default command trains the user model on the user dataset, as the project's non-root user."""
-    import torch
-
     t0 = time.monotonic()
     podman(
         penv,
@@ -503,6 +501,8 @@ def test_user_package_image_on_top_of_ours_trains_with_the_user_model(
     assert re.search(r"^FINAL step=6 .*run_dir=/runs/tinyshapes", out, re.M), out[-3000:]
     resolved = (runs / "tinyshapes/config.yaml").read_text()
     assert "tinyshapes.model:tiny_cnn" in resolved and "tinyshapes.data:shapes" in resolved
-    state = torch.load(runs / "tinyshapes/step-0000006/state.pt", map_location="cpu", weights_only=True)
+    from job.checkpoint import store
+
+    state = store.read_checkpoint(runs / "tinyshapes/step-0000006")
     assert state["model"]["14.weight"].shape == (4, 64)  # tiny_cnn's head (width 16 x 4 -> 4 classes)
     podman(penv, "rmi", "-f", EXAMPLE_TAG, check=False)

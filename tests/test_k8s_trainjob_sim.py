@@ -95,7 +95,7 @@ def _final_params(run_dir: Path) -> tuple[int, dict]:
 
     found = store.find_latest(run_dir)
     assert found is not None, f"no complete checkpoint in {run_dir}"
-    return found.step, store.load_state(found)["model"]
+    return found.step, store.read_checkpoint(found.path)["model"]
 
 
 def _assert_same_params(a: Path, b: Path) -> None:

@@ -20,6 +20,8 @@ from support.ci import bin_path
 from support.cli import base_env, make_data, torchrun
 from support.runs import load_final_state
 
+from job.checkpoint import store
+
 ACCUM = 3  # micro 4 x 3 accumulation steps x 2 ranks = global batch 24
 
 
@@ -98,7 +100,7 @@ def test_zero_matches_plain_optimizer(zero_runs: dict[str, Path]) -> None:
 
 
 def load_final_state_at(run_dir: Path, step: int) -> dict:
-    return torch.load(run_dir / f"step-{step:07d}" / "state.pt", map_location="cpu", weights_only=True)
+    return store.read_checkpoint(run_dir / f"step-{step:07d}")
 
 
 def test_zero_checkpoint_is_complete_and_resume_is_bitwise(zero_runs: dict[str, Path]) -> None:

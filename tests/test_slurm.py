@@ -239,7 +239,7 @@ def final_params(run_dir: Path) -> tuple[int, dict]:
 
     found = ckpt.find_latest(run_dir)
     assert found is not None, f"no complete checkpoint in {run_dir}"
-    return found.step, ckpt.load_state(found)["model"]
+    return found.step, ckpt.read_checkpoint(found.path)["model"]
 
 
 def assert_same_params(a: Path, b: Path) -> None:

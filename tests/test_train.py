@@ -330,21 +330,3 @@ def test_evaluate_without_a_checkpoint_is_bad_input(tmp_path: Path, capsys: pyte
     assert f"no valid checkpoint in the run directory {out / 'none'}" in err, err
     assert f"ckpt.path={str(tmp_path / 'step-0000003')!r} is not a complete checkpoint" in err, err
     assert not out.exists()
-
-
-def test_evaluate_names_a_sharded_checkpoint_as_bad_input(tmp_path: Path) -> None:
-    """A checkpoint whose state.pt holds no whole model (what train.strategy=fsdp writes) is refused as bad input
-    naming it, not with a KeyError."""
-    from job.checkpoint import store as ckpt
-    from job.config import load_config
-    from job.errors import EXIT_BAD_INPUT, BadInput, exit_code_of
-    from job.train.checkpoint_eval import checkpoint_state
-
-    manager = ckpt.CheckpointManager(tmp_path, 3, async_save=False, is_main=True)
-    manager.save(2, lambda: {"trainer": {"step": 2}}, {"world_size": 2})
-    found = ckpt.find_latest(tmp_path)
-    assert found is not None
-    with pytest.raises(BadInput) as info:
-        checkpoint_state(found, load_config(["--data.source", "synthetic"], {}))
-    assert exit_code_of(info.value) == EXIT_BAD_INPUT
-    assert (info.value.setting, info.value.value) == ("ckpt.path", str(found.path))

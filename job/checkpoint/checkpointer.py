@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from job.checkpoint.cadence import Auto, Fixed
+from job.checkpoint.resume import SHARDS_HOLD
 from job.checkpoint.states import States
 from job.checkpoint.store import CheckpointManager, Found, load_state
 
@@ -66,9 +67,10 @@ class Checkpointer:
         return self.manager.committed or self._restored
 
     def restore(self, found: Found) -> None:
-        self.states.load_state_dict(load_state(found))
+        saved = load_state(found)
+        self.states.load_state_dict(saved)
         if self.manager.sharded is not None:
-            self.manager.sharded.load(found.path)
+            self.manager.sharded.load(found.path, saved)
         self.saved_step = found.step
         self._run_time_s = float(found.manifest.get(RUN_TIME, 0.0))
         self._stop_saves = int(found.manifest.get(STOP_SAVES, 0))
@@ -83,6 +85,8 @@ class Checkpointer:
         self.states.gather()
         stop_saves = self._stop_saves + int(stop)
         meta = {**self.meta(), RUN_TIME: self.cadence.run_time_s(), STOP_SAVES: stop_saves}
+        if self.manager.sharded is not None:  # what preflight may need to know before loading anything
+            meta[SHARDS_HOLD] = self.manager.sharded.parts()
         self.manager.save(step, self.states.state_dict, meta)
         self.saved_at = time.monotonic()
         stall = time.perf_counter() - t0

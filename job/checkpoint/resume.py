@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -39,6 +41,8 @@ MAY_CHANGE = (
     "data.decode",  # same samples, crops and flips; decoders differ only in IDCT rounding (tests/test_decode.py)
     "ddp.comm_stats",  # copy overlap / a counting hook: same math
     "model.weights",  # initial weights only: a resumed run restores its own checkpoint and never reads them
+    "train.strategy",  # one checkpoint format for ddp and fsdp (job.checkpoint.sharded): same math, other sums
+    "fsdp.",
 )
 
 
@@ -142,13 +146,35 @@ def check_resumable(
     trainer, saved_plan = manifest.get("trainer"), manifest.get("plan")
     if saved_ws != world_size and micro_batch_size is not None and trainer and saved_plan:
         map_data_position(trainer, saved_plan, world_size, micro_batch_size)  # raises BadInput if it cannot
+    if cfg.optim.zero and "optimizer" in sharded_parts(manifest):
+        raise BadInput(
+            f"the newest checkpoint (step {manifest.get('step')}) holds the optimizer state as every rank's shards "
+            "(written without optim.zero); ZeroRedundancyOptimizer loads a whole optimizer state.",
+            "resume with --optim.zero false (after the resume, a later save may switch it on again).",
+            setting="optim.zero",
+            value=True,
+        )
+
+
+SHARDS_HOLD = "shards"
+"""The manifest's list of what the checkpoint's shards hold (written by job.checkpoint.checkpointer)."""
+
+
+def sharded_parts(manifest: dict[str, Any]) -> list[str]:
+    """What a checkpoint's shards hold (``model``, ``optimizer``, ``ema``), read from its manifest: the first
+    sharded checkpoints (fsdp only) did not list them, and held the model and the optimizer."""
+    if SHARDS_HOLD in manifest:
+        return list(manifest[SHARDS_HOLD])
+    if any(name.startswith("shards/") for name in manifest.get("files", {})):
+        return ["model", "optimizer"]
+    return []
 
 
 def find_resume(cfg: JobConfig, world_size: int, micro_batch_size: int) -> Any:
     """The checkpoint to resume from (a ``job.checkpoint.store.Found``) or None; refusals raise BadInput.
 
     Runs in preflight, before any process group or write: a refused resume leaves the run directory as
-    it was. Every rank scans the same directory; ``train.run`` checks they agree.
+    it was. Sizes only: once the process group is up, the ranks hash it together and agree (``settle``).
     """
     from job.checkpoint import store as ckpt
 
@@ -165,10 +191,56 @@ def find_resume(cfg: JobConfig, world_size: int, micro_batch_size: int) -> Any:
                 existing[0][1].name,
             )
         return None
-    found = ckpt.find_latest(cfg.run_dir)
+    found = ckpt.find_latest(cfg.run_dir, hashes=False)  # sizes only: the ranks hash it together (settle)
     if found is not None:
         check_resumable(found.manifest, cfg, world_size, micro_batch_size)
     return found
+
+
+def settle(
+    found: Any,
+    run_dir: Path | None,
+    rank: int,
+    world_size: int,
+    group: Any = None,
+    check: Callable[[Any], None] | None = None,
+) -> Any:
+    """Every rank: the checkpoint to resume from, ``found`` (sizes checked in preflight) or an older one, hashed by
+    all ranks together. Each rank hashes its share of the files (job.checkpoint.store.share), one small all-gather
+    shares the verdicts, and a file found corrupt by any rank makes every rank fall back to the next older
+    checkpoint in ``run_dir`` (None: none) (``check``: whether that one may be resumed, as preflight checked
+    ``found``). Nothing is deleted.
+
+    Raises:
+        CheckpointLoadError: the ranks found different checkpoints, or none verifies.
+    """
+    import torch.distributed as dist
+
+    from job.checkpoint import store as ckpt
+
+    while True:
+        agree_on_checkpoint(found, group)
+        if found is None:
+            return None
+        mine = ckpt.check_hashes(found.path, found.manifest, ckpt.share(found.manifest["files"], rank, world_size))
+        verdicts: list[Any] = [None] * world_size
+        dist.all_gather_object(verdicts, mine, group=group)
+        bad = [f"rank {r}: {why}" for r, why in enumerate(verdicts) if why]
+        if not bad:
+            return found
+        log.warning("skipping checkpoint %s: %s", found.path, "; ".join(bad))
+        older = None
+        if run_dir is not None:
+            older = ckpt.find_latest(run_dir, hashes=False, below=found.step)
+        if older is None:
+            raise CheckpointLoadError(
+                f"checkpoint {found.path} is corrupt ({'; '.join(bad)}) and no older one verifies.",
+                f"restore the step-* directories of {found.path.parent} from a copy, or move them away to start "
+                "afresh (nothing was deleted).",
+            )
+        if check is not None:
+            check(older)
+        found = older
 
 
 def agree_on_checkpoint(found: Any, group: Any = None) -> None:

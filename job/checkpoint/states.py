@@ -9,7 +9,8 @@ also has ``gather()``: ``States.gather`` runs it on every rank before each save.
 
 The adapters below wrap what has no ``state_dict`` of the right shape: the saved layout (world size and
 batch plan), the trainer's progress (with the data position mapped onto a new world size), the optimizer
-under ZeRO, the LR schedule (replayed when the horizon changed), and every rank's RNG streams.
+under ZeRO, the LR schedule (replayed when the horizon changed), and every rank's RNG streams. The model, the
+optimizer (without ZeRO) and the EMA are not entries: every rank writes its own part of them (job.checkpoint.sharded).
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from job.checkpoint.resume import map_data_position, rng_state, set_rng_state
 from job.config.plan import Plan
 from job.errors import CheckpointLoadError
-from job.parallel.distributed import broadcast_buffers
 
 log = logging.getLogger("job")
 
@@ -111,25 +110,9 @@ class Progress:
             )
 
 
-class ModelState:
-    """A model (or the EMA's copy); its buffers are made rank 0's on every rank before a save, so the ranks go
-    on with the statistics the checkpoint holds (what a resume would load)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def gather(self) -> None:
-        broadcast_buffers(self.module)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.module.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state)
-
-
 class OptimizerState:
-    """The optimizer; under ZeRO every rank's shard is consolidated on rank 0 before a save."""
+    """The optimizer under ZeRO (the shards hold it otherwise: job.checkpoint.sharded): every rank's shard is
+    consolidated on rank 0 before a save."""
 
     def __init__(self, optimizer: Optimizer, before_save: Callable[[Optimizer], None]) -> None:
         self.optimizer, self.before_save = optimizer, before_save

@@ -1,20 +1,22 @@
 """Durable checkpoints: complete, verifiable, never code.
 
-Format (chosen over torch.distributed.checkpoint because plain DDP replicates the whole state on every
-rank, so one rank-0 file is complete and easy to inspect):
+Format (one for both strategies; job.checkpoint.sharded writes the shards):
 
     run_dir/step-0000120/
-        state.pt        model (unwrapped), optimizer, scheduler, scaler, trainer state, RNG of every rank
+        shards/         model, optimizer and EMA: every rank's own part, written with torch.distributed.checkpoint
+        state.pt        trainer state, scheduler, scaler, RNG of every rank (rank 0); under optim.zero the optimizer
         manifest.json   written LAST: sizes + sha256 of every file, step, world size, resolved config
 
-Under ``train.strategy: fsdp`` the step directory also holds ``shards/``, every rank's model and optimizer
-shards (job.checkpoint.sharded), listed in the manifest like ``state.pt``.
+A checkpoint written before the shards existed holds the model, optimizer and EMA in state.pt; it still resumes.
+The manager without ``sharded`` writes whatever state it is handed into state.pt (the benchmarks use that).
 
-A save goes to ``step-0000120.tmp-<pid>-<n>/`` (``.tmp-shards`` under fsdp); every file is fsynced, then the manifest, then the
+A save goes to ``step-0000120.tmp-<pid>-<n>/`` (``.tmp-shards`` with shards); every file is fsynced, then the manifest, then the
 directory is renamed and the parent fsynced. A directory counts as a checkpoint only if its name is final
 AND its manifest verifies, so a crash, a full disk or a second signal mid-save leaves at worst a ``.tmp``
 directory that is ignored and cleaned up later. "Latest" is found by scanning, never by a pointer file.
-Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code.
+Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code. On resume each rank hashes
+a share of the files (``share``) and the ranks agree on the verdict (job.checkpoint.resume.settle): storage is read
+about once per checkpoint, not once per rank.
 
 Async saving: ``save()`` copies state into reused host buffers on the caller's thread (the only blocking
 part; job.checkpoint.snapshot), then a background thread serialises and writes. At most one save is in flight; ``wait()`` joins it.
@@ -31,19 +33,22 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from job.checkpoint.sharded import Sharded
+from job.checkpoint.sharded import SHARDS, Sharded, read_whole
 from job.checkpoint.snapshot import HostStaging, to_host
 from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
 
 log = logging.getLogger("job")
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
+OWN_SHARDS = re.compile(r"^shards/__(\d+)_\d+\.distcp$")
+"""A DCP file and the rank that wrote it."""
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
 
@@ -77,6 +82,16 @@ def _fsync_dir(path: Path) -> None:
 
 def verify(path: Path) -> tuple[bool, str, dict[str, Any]]:
     """(ok, reason, manifest). Checks the manifest exists and every listed file has its size and sha256."""
+    ok, reason, manifest = inspect(path)
+    if not ok:
+        return ok, reason, manifest
+    reason = check_hashes(path, manifest, list(manifest.get("files", {})))
+    return not reason, reason, manifest
+
+
+def inspect(path: Path) -> tuple[bool, str, dict[str, Any]]:
+    """(ok, reason, manifest) from the manifest and the files' sizes alone: what a torn or truncated save leaves
+    is found without reading the checkpoint (``check_hashes`` finds flipped bits)."""
     mpath = path / MANIFEST
     try:
         manifest = json.loads(mpath.read_text())
@@ -92,9 +107,36 @@ def verify(path: Path) -> tuple[bool, str, dict[str, Any]]:
             return False, f"{f} is missing", manifest
         if size != meta["size"]:
             return False, f"{f} has {size} bytes, manifest says {meta['size']} (truncated?)", manifest
-        if _sha256(f) != meta["sha256"]:
-            return False, f"{f} does not match its sha256 (corrupted)", manifest
     return True, "", manifest
+
+
+def check_hashes(path: Path, manifest: dict[str, Any], names: list[str]) -> str:
+    """Why the files ``names`` of the checkpoint at ``path`` do not match their sha256 in ``manifest`` ("": they do)."""
+    for name in names:
+        f = path / name
+        try:
+            if _sha256(f) != manifest["files"][name]["sha256"]:
+                return f"{f} does not match its sha256 (corrupted)"
+        except OSError as e:
+            return f"{f} is unreadable: {e}"
+    return ""
+
+
+def share(files: dict[str, Any], rank: int, world_size: int) -> list[str]:
+    """The files of a manifest that ``rank`` hashes when the ranks verify a checkpoint together: the shards its rank
+    number wrote, then the rest, largest first, each to the rank with the fewest bytes so far. Every rank computes
+    the same split, and together they read the checkpoint once."""
+    owner: dict[str, int] = {}
+    load = [0] * world_size
+    for name, meta in files.items():
+        m = OWN_SHARDS.match(name)
+        if m and int(m.group(1)) < world_size:
+            owner[name] = int(m.group(1))
+            load[owner[name]] += int(meta["size"])
+    for name in sorted((n for n in files if n not in owner), key=lambda n: (-int(files[n]["size"]), n)):
+        owner[name] = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner[name]] += int(files[name]["size"])
+    return sorted(name for name, r in owner.items() if r == rank)
 
 
 def scan(run_dir: Path) -> list[tuple[int, Path]]:
@@ -114,10 +156,14 @@ def held_bytes(run_dir: Path) -> int:
     return sum(f.stat().st_size for d in dirs for f in d.rglob("*") if f.is_file())
 
 
-def find_latest(run_dir: Path) -> Found | None:
-    """The newest checkpoint that verifies; newer broken ones are skipped with a warning naming the file."""
+def find_latest(run_dir: Path, hashes: bool = True, below: int | None = None) -> Found | None:
+    """The newest checkpoint (older than step ``below`` where given) that verifies; newer broken ones are skipped
+    with a warning naming the file. ``hashes=False``: sizes only (``inspect``); the ranks of a resume then hash
+    their shares (job.checkpoint.resume.settle)."""
     for step, path in scan(run_dir):
-        ok, reason, manifest = verify(path)
+        if below is not None and step >= below:
+            continue
+        ok, reason, manifest = verify(path) if hashes else inspect(path)
         if ok:
             return Found(step, path, manifest)
         log.warning("skipping checkpoint %s: %s", path, reason)
@@ -137,6 +183,15 @@ def load_state(found: Found) -> dict[str, Any]:
             f"with weights_only=False.",
             f"move {found.path} out of the run directory to resume from the one before.",
         ) from None
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The whole state of the checkpoint at ``path`` on one process (a tool, a test): its state.pt, with the model,
+    optimizer and EMA that its shards hold as whole tensors (job.checkpoint.sharded.read_whole)."""
+    state = load_state(Found(0, path, {}))
+    if (path / SHARDS).is_dir():
+        state.update(read_whole(path))
+    return state
 
 
 def nonfinite_entries(obj: Any, prefix: str = "") -> list[str]:
@@ -256,9 +311,9 @@ class CheckpointManager:
     ) -> None:
         self.run_dir = run_dir
         self.sharded = sharded
-        """Under fsdp: every rank writes its shards first (synchronously), then rank 0 commits them with the rest."""
-        if sharded is not None:
-            async_save = False
+        """Every rank writes its shards (job.checkpoint.sharded), then rank 0 commits them with the rest."""
+        self._shards_written: Future[Any] | None = None
+        """A rank other than 0: its background shard write, waited for before the next save and at the end."""
         self.write_delay_s = write_delay_s
         self.keep_last = keep_last
         self.async_save = async_save
@@ -285,17 +340,21 @@ class CheckpointManager:
         here it is only evaluated on rank 0.
         """
         self.wait()  # at most one save in flight; also surfaces a background failure
-        shards = None
-        if self.sharded is not None:
-            shards = self.sharded.save(self.run_dir, step_dir_name(step), self.is_main)
+        shards, written = None, None
+        if self.sharded is not None:  # async: staged in host memory here, written by DCP's thread
+            shards, written = self.sharded.save(self.run_dir, step_dir_name(step), self.is_main, self.async_save)
         if not self.is_main:
+            self._shards_written = written
             return
         taken = time.monotonic()
         # Async: into buffers kept between saves (safe: the previous write was waited for above).
         state = self._staging.snapshot(state_fn()) if self._staging is not None else to_host(state_fn())
         if self.async_save:
             self._thread = threading.Thread(
-                target=self._write_and_prune, args=(step, state, meta, taken), name="ckpt-writer", daemon=False
+                target=self._write_and_prune,
+                args=(step, state, meta, taken, shards, written),
+                name="ckpt-writer",
+                daemon=False,
             )
             self._thread.start()
             # Logged once the writer runs, so "in flight" is true for anyone who reacts to this line.
@@ -305,12 +364,22 @@ class CheckpointManager:
             self._raise_pending()
 
     def _write_and_prune(
-        self, step: int, state: dict[str, Any], meta: dict[str, Any], taken: float, shards: Path | None = None
+        self,
+        step: int,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        taken: float,
+        shards: Path | None = None,
+        written: Future[Any] | None = None,
     ) -> None:
+        """``shards``: the directory every rank's shards went to; ``written``: their background write, complete on
+        every rank when it completes here (DCP's rank 0 gathers every rank's results, then writes .metadata)."""
         try:
             t0 = time.perf_counter()
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
+            if written is not None:
+                written.result()
             path = _write_checkpoint(self.run_dir, step, state, meta, shards)
             self.last_write_s = time.perf_counter() - t0
             self.committed = (step, taken)  # one assignment: a reader on another thread sees old or new
@@ -326,14 +395,17 @@ class CheckpointManager:
 
     def in_flight(self) -> bool:
         """True while a background write runs (safe to call from a signal handler: no locks)."""
-        t = self._thread
-        return t is not None and t.is_alive()
+        t, written = self._thread, self._shards_written
+        return (t is not None and t.is_alive()) or (written is not None and not written.done())
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is on disk; re-raise its error here."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._shards_written is not None:
+            written, self._shards_written = self._shards_written, None
+            written.result()
         self._raise_pending()
 
     def close(self) -> None:

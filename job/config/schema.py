@@ -514,7 +514,7 @@ class DebugConfig(BaseModel):
     """Rank i sleeps the i-th value (seconds; none past the end) in each save, before it returns to training:
     gives the ranks different save stalls (ckpt.every=auto must still save on every rank at the same steps)."""
     fail_load_rank: int = Field(-1, ge=-1)
-    """train.strategy=fsdp: this rank fails to load its checkpoint shards on resume (-1: none)."""
+    """This rank fails to load its checkpoint shards on resume (-1: none)."""
 
 
 class JobConfig(BaseSettings):

@@ -295,10 +295,10 @@ def zero_optimizer(groups: list[dict], cls: type[Optimizer], kwargs: dict[str, A
 def before_save(optimizer: Optimizer) -> None:
     """Run on EVERY rank before ``optimizer.state_dict()`` is taken on rank 0 (a collective under ZeRO).
 
-    Decision: consolidate to rank 0, so a checkpoint stays one complete, verifiable ``state.pt`` that
-    resumes with or without ZeRO and at any world size (ZeroRedundancyOptimizer.load_state_dict takes the
-    full state and keeps this rank's part). Cost: rank 0 briefly holds a host copy of the full optimizer
-    state. torch.distributed.checkpoint (sharded files) would avoid that, at the price of a second format.
+    Decision: consolidate to rank 0, which writes it into ``state.pt`` beside the model's shards
+    (job.checkpoint.sharded): a checkpoint that resumes with or without ZeRO and at any world size
+    (ZeroRedundancyOptimizer.load_state_dict takes the full state and keeps this rank's part). Cost: rank 0
+    briefly holds a host copy of the full optimizer state.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

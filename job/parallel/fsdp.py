@@ -145,14 +145,18 @@ def init_optimizer_state(optimizer: Optimizer) -> None:
     creates it only when the optimizer has none. Created here, before the first step, the state holds every
     parameter at save time and at load time alike (a parameter that never gets a gradient would otherwise have
     no state when saved, and the load fails on its missing keys). The creating step runs at lr 0 on zero
-    gradients, then every state tensor is zeroed: for SGD (dampening 0) and AdamW the first real step then
-    computes exactly what it computes on a fresh state.
+    gradients, then every state tensor is zeroed: for SGD (dampening 0), AdamW, LARS and LAMB the first real step
+    then computes exactly what it computes on a fresh state. Used under both strategies (not under ZeRO, whose
+    state a checkpoint holds whole).
     """
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+    had = [set(group) for group in optimizer.param_groups]
     _init_optim_state(optimizer)
+    # Counts the step added to the groups (timm's LAMB keeps its step there) are zeroed too, and kept: a load
+    # fills only what exists.
+    added = [group[k] for group, keys in zip(optimizer.param_groups, had, strict=True) for k in set(group) - keys]
     with torch.no_grad():
-        for state in optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.zero_()
+        for value in [v for state in optimizer.state.values() for v in state.values()] + added:
+            if torch.is_tensor(value):
+                value.zero_()

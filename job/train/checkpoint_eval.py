@@ -4,7 +4,8 @@ The run's own parts and evaluation: the config tree picks the task, data and mod
 ``config.yaml`` as ``--config`` gives the run's); ``ckpt.path`` picks the checkpoint, else the newest valid one in
 the run directory. The model (and its EMA with ``ema.enabled``) is loaded from the checkpoint and evaluated by
 ``job.train.evaluate``, the code of a run's final evaluation: the ``EVAL`` line carries the values the run's FINAL
-line printed for that step, and ``eval/step-NNNNNNN.json`` in the run directory holds every result.
+line printed for that step, and ``eval/step-NNNNNNN.json`` in the run directory holds every result. Checkpoints of
+either strategy load into either (job.checkpoint.sharded), at any world size.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 
 from job.checkpoint import store as ckpt
-from job.checkpoint.resume import agree_on_checkpoint
+from job.checkpoint.resume import settle
+from job.checkpoint.sharded import SHARDS, Sharded, held_parts
 from job.cluster.env import DistEnv, detect_env
 from job.config import JobConfig, load_config
 from job.config.plan import make_plan
@@ -49,11 +51,13 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
     checked = check_task(task, cfg, env, plan, torch.cuda.is_available(), load_weights=False)
     rt = distributed.setup(env, cfg.dist)
     try:
-        agree_on_checkpoint(found, rt.control_group)
+        # The ranks hash the checkpoint together, each its share (job.checkpoint.resume.settle).
+        settled = settle(found, None if cfg.ckpt.path else cfg.run_dir, env.rank, env.world_size, rt.control_group)
+        if settled is not found:  # an older one: the newest was corrupt
+            found, saved = settled, checkpoint_state(settled, cfg)
         parts = build_parts(cfg, env, plan, rt, task, checked, initial_weights=False)
-        parts.raw_model.load_state_dict(saved["model"])
-        if parts.ema is not None:
-            parts.ema.load_state_dict(saved["ema"])
+        # Either strategy's checkpoint (shards, or a whole state.pt) into this run's model, sharded or not.
+        Sharded(parts.raw_model, None, env.rank, rt.control_group, ema=parts.ema).load(found.path, saved)
         results = Evaluator(parts, 0, 0, metrics.NullWriter()).results()
         if env.is_main:
             report(results, found, cfg, env)
@@ -64,9 +68,10 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
 
 
 def find_checkpoint(cfg: JobConfig) -> ckpt.Found:
-    """``ckpt.path`` (it must verify), else the newest valid checkpoint in the run directory."""
+    """``ckpt.path`` (it must be complete), else the newest complete checkpoint in the run directory; sizes only,
+    the ranks hash it together once the process group is up."""
     if not cfg.ckpt.path:
-        found = ckpt.find_latest(cfg.run_dir)
+        found = ckpt.find_latest(cfg.run_dir, hashes=False)
         if found is None:
             raise BadInput(
                 f"no valid checkpoint in the run directory {cfg.run_dir} (ckpt.path is empty: the newest there is "
@@ -79,7 +84,7 @@ def find_checkpoint(cfg: JobConfig) -> ckpt.Found:
         return found
     path = Path(cfg.ckpt.path)
     match = ckpt.STEP_DIR.match(path.name)
-    ok, reason, manifest = ckpt.verify(path)
+    ok, reason, manifest = ckpt.inspect(path)
     if match is None or not ok:
         why = reason or "its name is not step-NNNNNNN"
         raise BadInput(
@@ -92,17 +97,13 @@ def find_checkpoint(cfg: JobConfig) -> ckpt.Found:
 
 
 def checkpoint_state(found: ckpt.Found, cfg: JobConfig) -> dict[str, Any]:
-    """The checkpoint's state (on the CPU); with ``ema.enabled`` it must hold an EMA."""
+    """The checkpoint's state.pt (on the CPU); with ``ema.enabled`` the checkpoint must hold an EMA, in its shards
+    or (a checkpoint written before them) in state.pt."""
     saved = ckpt.load_state(found)
-    if "model" not in saved:  # train.strategy=fsdp: the model is every rank's shards (job.checkpoint.sharded)
-        raise BadInput(
-            f"the checkpoint {found.path} holds its model as every rank's shards (a train.strategy=fsdp run); "
-            "ddp-job evaluate reads whole-model checkpoints only.",
-            "resume the run with ddp-job train: its final evaluation is the same exact evaluation, under fsdp too.",
-            setting="ckpt.path",
-            value=str(found.path),
-        )
-    if cfg.ema.enabled and saved.get("ema") is None:
+    has_ema = saved.get("ema") is not None
+    if (found.path / SHARDS).is_dir():
+        has_ema = has_ema or "ema" in held_parts(found.path)
+    if cfg.ema.enabled and not has_ema:
         raise BadInput(
             f"ema.enabled=true, but the checkpoint {found.path} holds no EMA.",
             "evaluate it with ema.enabled=false.",

@@ -4,8 +4,8 @@ update reads ``n_averaged`` on the host at every update, a device synchronisatio
 
 The EMA copy averages parameters AND buffers (BatchNorm running statistics), so it can be evaluated as is.
 Every rank holds the same EMA parameters (the weights it averages are identical after each DDP step); its
-buffers average each rank's own statistics, so they are made rank 0's before evaluation and before a save. Rank 0
-checkpoints it next to the model and every rank restores it on resume.
+buffers average each rank's own statistics, so they are made rank 0's before evaluation and before a save. It is
+checkpointed with the model, as every rank's shards (job.checkpoint.sharded), and every rank restores it on resume.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
 from job.config import EmaConfig
-from job.parallel.distributed import broadcast_buffers
 
 log = logging.getLogger("job")
 
@@ -59,11 +58,6 @@ class Ema:
                 torch._foreach_copy_(ema_other, cur_other)
             self.averaged.n_averaged.add_(1)
         self.updates += 1
-
-    def gather(self) -> None:
-        """Before a save (job.checkpoint.states): rank 0's averaged buffers on every rank. Each rank averages its
-        own BatchNorm statistics (the parameters are the same everywhere); rank 0's are the ones saved."""
-        broadcast_buffers(self.module)
 
     def state_dict(self) -> dict[str, Any]:
         return self.averaged.state_dict()  # module.* tensors + n_averaged

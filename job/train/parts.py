@@ -102,8 +102,8 @@ def build_parts(
     if cfg.model.compile:
         train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
     optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device, groups)
-    if cfg.train.strategy == "fsdp":
-        fsdp.init_optimizer_state(optimizer)  # a sharded load needs the state's shape (job.parallel.fsdp)
+    if not cfg.optim.zero:  # a sharded load, under either strategy, needs the state's shape (job.parallel.fsdp)
+        fsdp.init_optimizer_state(optimizer)
     return Parts(
         device=device,
         loaders=loaders,

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -23,9 +23,9 @@ import torch
 from job.checkpoint import cadence
 from job.checkpoint import store as ckpt
 from job.checkpoint.checkpointer import Checkpointer
-from job.checkpoint.resume import agree_on_checkpoint, find_resume
+from job.checkpoint.resume import check_resumable, find_resume, settle
 from job.checkpoint.sharded import Sharded
-from job.checkpoint.states import Layout, ModelState, OptimizerState, Progress, RngStates, Schedule, States
+from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
 from job.cluster.env import NOTICE_VAR, DistEnv, detect_env, interruptions, launcher_notice_s
 from job.cluster.stop import clear_record
@@ -152,9 +152,21 @@ def run(cfg: JobConfig, env: DistEnv, pre: Preflight, rt: distributed.Runtime) -
     stop = StopRequest(cfg.run_dir, cfg.train.max_time_s)
     if _drained_after_restart(stop, rt):
         return EXIT_PREEMPTED
+    pre = settle_resume(cfg, env, pre, rt)
     start_run_dir(cfg, env, pre.plan, stop, rt)
     with contextlib.ExitStack() as cleanup:
         return train_loop(build_run(cfg, env, pre, rt, stop, cleanup))
+
+
+def settle_resume(cfg: JobConfig, env: DistEnv, pre: Preflight, rt: distributed.Runtime) -> Preflight:
+    """``pre`` with the checkpoint preflight found (by sizes) hashed by all ranks together, or the older one every
+    rank falls back to where a rank found a file corrupt (job.checkpoint.resume.settle); before anything is written."""
+
+    def resumable(found: ckpt.Found) -> None:
+        check_resumable(found.manifest, cfg, env.world_size, pre.plan.micro_batch_size)
+
+    found = settle(pre.found, cfg.run_dir, env.rank, env.world_size, rt.control_group, resumable)
+    return replace(pre, found=found)
 
 
 def build_run(
@@ -180,7 +192,6 @@ def build_run(
     debug.install_checkpoint(cfg.debug, env.rank, checkpointer)
     cleanup.callback(checkpointer.manager.close)
     stop.busy = checkpointer.manager.in_flight
-    agree_on_checkpoint(found, rt.control_group)
     if found is not None:
         checkpointer.restore(found)
     checkpointer.start(state.step)
@@ -268,18 +279,16 @@ def _checkpointer(
     states = States()
     states.add("layout", layout)
     states.add("trainer", Progress(state, layout, plan.micro_batch_size))
-    sharded = None
-    if cfg.train.strategy == "fsdp":  # model and optimizer: every rank's own shards (job.checkpoint.sharded)
-        fail = cfg.debug.fail_load_rank == env.rank
-        sharded = Sharded(parts.raw_model, parts.optimizer, env.rank, rt.control_group, fail, parts.ema)
-    else:
-        states.add("model", ModelState(parts.raw_model))
+    # Model, optimizer and EMA: every rank's own shards, under either strategy (job.checkpoint.sharded). Under
+    # optim.zero the optimizer's state is consolidated on rank 0 into state.pt (job.parallel.ddp.before_save).
+    sharded_optimizer = None if cfg.optim.zero else parts.optimizer
+    fail = cfg.debug.fail_load_rank == env.rank
+    sharded = Sharded(parts.raw_model, sharded_optimizer, env.rank, rt.control_group, fail, parts.ema)
+    if cfg.optim.zero:
         states.add("optimizer", OptimizerState(parts.optimizer, parallel.before_save))
     states.add("scheduler", Schedule(parts.scheduler, layout, state))
     states.add("scaler", parts.scaler)
     states.add("rng", RngStates(parts.device, env.rank, env.world_size, rt.control_group, layout))
-    if parts.ema is not None and sharded is None:  # optional: a run may enable EMA on resume (allow_config_change)
-        states.add("ema", parts.ema, optional=True)
     if parts.task.stateful():  # the task's own state: a teacher, a memory bank, a curriculum counter
         states.add("task", parts.task.task)
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and parts.device.type == "cuda")

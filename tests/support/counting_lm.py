@@ -1,17 +1,20 @@
 """The built-in causal_lm task with every trained sample counted: ``support.counting_lm:task`` takes causal_lm's
 options; each training process appends, in the directory the environment variable ``VISITS`` names, the index of every item it trains on
-(one line each, in order, to ``<pid>.txt``). Items are counted in ``loss`` on the training model only (a sharded
-module), so preflight's check of the loss and evaluation count nothing; read-ahead of the data pipeline neither."""
+(one line each, in order, to ``<pid>.txt``). Items are counted in ``loss``, so evaluation counts nothing and
+read-ahead of the data pipeline neither. Two start-up callers of ``loss`` train on no item and are not counted:
+preflight's check of the loss (job.tasks.preflight.check_task) and, under DDP, the throwaway passes that let DDP
+rebuild its gradient buckets before the first step (job.parallel.ddp.settle_buckets, 2 passes on preflight's batch,
+whose state they restore)."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset, default_collate
 
 from job.tasks.lm.task import CausalLM
@@ -44,14 +47,27 @@ class CountingLM:
     def collate(self, items: list[Any]) -> Any:
         return default_collate(items)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if isinstance(model, FSDPModule):
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        if not _called_by(START_UP):
             with (self.visits / f"{os.getpid()}.txt").open("a") as f:
                 f.write("".join(f"{i}\n" for i in batch["index"].tolist()))
         return self.lm.loss(model, batch["tokens"])
 
     def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, tuple[Any, Any]]:
         return self.lm.metrics(model, batch["tokens"])
+
+
+START_UP = frozenset({"check_task", "settle_buckets"})
+"""The functions whose calls of ``loss`` train on nothing (see the module docstring)."""
+
+
+def _called_by(names: frozenset[str]) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in names:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def task(**options: Any) -> CountingLM:

@@ -61,12 +61,13 @@ def rank_pids(log: str) -> dict[int, set[int]]:
 
 
 def load_final_state(run_dir: Path) -> dict[str, Any]:
-    """state.pt of the newest checkpoint in run_dir (weights_only)."""
-    import torch
+    """The whole state of the newest checkpoint in run_dir: its state.pt with the model, optimizer and EMA of its
+    shards (job.checkpoint.store.read_checkpoint)."""
+    from job.checkpoint import store
 
     steps = sorted(p for p in run_dir.glob("step-*") if ".tmp" not in p.name)
     assert steps, f"no checkpoint in {run_dir}: {list(run_dir.iterdir()) if run_dir.exists() else 'missing'}"
-    return torch.load(steps[-1] / "state.pt", map_location="cpu", weights_only=True)
+    return store.read_checkpoint(steps[-1])
 
 
 def assert_bitwise_equal(a: object, b: object, where: str = "") -> None:
@@ -98,7 +99,7 @@ def assert_same_end(want_dir: Path, want_log: str, got_dir: Path, got_log: str) 
 
     want_ckpt, got_ckpt = store.find_latest(want_dir), store.find_latest(got_dir)
     assert want_ckpt is not None and got_ckpt is not None, (want_ckpt, got_ckpt)
-    want, got = store.load_state(want_ckpt), store.load_state(got_ckpt)
+    want, got = store.read_checkpoint(want_ckpt.path), store.read_checkpoint(got_ckpt.path)
     for key in ("model", "optimizer"):
         assert_bitwise_equal(want[key], got[key], key)
     assert want["trainer"] == got["trainer"]

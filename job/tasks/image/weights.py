@@ -28,6 +28,7 @@ import torchvision
 from torch import nn
 
 from job.checkpoint import store
+from job.checkpoint.sharded import SHARDS, read_whole
 from job.config import ModelConfig
 from job.errors import WeightsError
 
@@ -126,7 +127,10 @@ def _unwrap(cfg: ModelConfig, file: Path, obj: Any) -> StateDict:
 def _from_path(cfg: ModelConfig) -> StateDict:
     file = _checkpoint_file(cfg, Path(cfg.weights))
     try:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
+        if file.name == store.STATE_FILE and (file.parent / SHARDS).is_dir():  # a checkpoint's model is in its shards
+            obj = read_whole(file.parent, ("model",))
+        else:
+            obj = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
         raise _error(
             cfg,
