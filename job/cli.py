@@ -15,6 +15,8 @@ commands:
   train        train (as a torchrun worker, a single process, or launching one process per GPU itself)
   evaluate     a checkpoint's exact validation metrics: ddp-job evaluate [train args] [--ckpt.path DIR]
                (the newest checkpoint of the run directory by default; any launcher, any world size)
+  export       a checkpoint's model (or EMA) as one full safetensors file, for inference, fine-tuning or
+               model.weights: ddp-job export --checkpoint RUN_OR_STEP_DIR --out model.safetensors [--ema]
   launch       torchrun drop-in: ddp-job launch [torchrun options] -- [train|doctor|evaluate] [args]; maps exit codes
   make-data    write a learnable ImageFolder dataset: ddp-job make-data --out DIR --classes 10 --per-class 100
                (--format webdataset: the same images as tar shards + index)
@@ -103,6 +105,7 @@ def _lazy(module: str, func: str) -> Callable[[list[str]], int]:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
     "evaluate": _evaluate,
+    "export": _lazy("job.checkpoint.export", "main"),
     "config": _config,
     "launch": _lazy("job.launchers.torchrun", "launch_main"),
     "make-data": _lazy("job.data.datagen", "make_data_main"),
