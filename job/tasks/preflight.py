@@ -1,8 +1,8 @@
 """A task checked before any process group or write, computed once and handed on (``Checked``).
 
 In order: the task's own preparation (the image task validates its data source), the model built once on the
-CPU from ``run.seed`` (the one the run trains, so it is never built twice), both datasets opened and checked
-to be map-style and non-empty, one collated batch of the first training items, ``loss`` on it (a finite
+CPU from ``run.seed`` (the one the run trains, so it is never built twice) with ``model.weights`` loaded, both
+datasets opened and checked to be map-style and non-empty, one collated batch of the first training items, ``loss`` on it (a finite
 scalar) and ``metrics`` on it (``(sum, count)`` pairs, whose names every rank then agrees on). The model's
 buffers (BatchNorm statistics) and every RNG are left as they were, so the checks change no result.
 """
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from job.checkpoint import weights
 from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.config.plan import Plan
@@ -38,7 +39,7 @@ class Checked:
     """What preflight found, for the run to use: nothing here is computed again."""
 
     model: nn.Module
-    """Built on the CPU from run.seed, with initial weights where the task loads them."""
+    """Built on the CPU from run.seed, with ``model.weights`` loaded (by the task, where it owns them)."""
     metric_names: tuple[str, ...]
     """The names ``metrics`` returns, in order: every rank sums the same ones."""
     datasets: dict[str, Any]
@@ -63,8 +64,10 @@ def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)  # identical init on every rank
         model = task.build_model()
-    if load_weights and task.has("initial_weights"):
+    if load_weights and task.has("initial_weights"):  # the image task owns its weights (torchvision names, heads)
         own.initial_weights(model, env)
+    elif load_weights and cfg.model.weights:
+        weights.load_strict(cfg.model, model, task.name, env.is_main)
     datasets: dict[str, Any] = {}
     if not task.has("loaders"):
         datasets = {split: check_dataset(task.dataset(split), split, task.error) for split in SPLITS}

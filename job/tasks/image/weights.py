@@ -4,9 +4,8 @@ the model (DDP then broadcasts rank 0's copy; the EMA starts from them).
 Three kinds of value. A torchvision weights name (``IMAGENET1K_V2``, ``DEFAULT``) of ``model.name``: torchvision's
 own enum gives the URL, torch hub's cache (``$TORCH_HOME/hub/checkpoints``) holds the file; preflight fetches it on
 local rank 0 of each node (a download once per node when missing) and the other ranks read the cache after the
-process group is up. A path to a state dict file (``torch.save(model.state_dict())``, also as ``{"state_dict": ...}``
-or saved from a DDP-wrapped model), or a ddp-job checkpoint: a ``step-N/`` directory, its ``state.pt``, or a run
-directory (its newest verified checkpoint).
+process group is up. Or a path: a safetensors file (``ddp-job export``), a state dict
+file or a ddp-job checkpoint, read by job.checkpoint.weights.
 
 Shapes must match, with one exception: the classification head. When the weights' head is sized for another number
 of classes (every mismatched tensor is in one module and differs only in its first dimension, which is
@@ -27,20 +26,13 @@ import torch
 import torchvision
 from torch import nn
 
-from job.checkpoint import store
-from job.checkpoint.sharded import SHARDS, read_whole
+from job.checkpoint import weights as files
 from job.config import ModelConfig
-from job.errors import WeightsError
 
 log = logging.getLogger("job")
 TORCHVISION_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 """How torchvision spells its weights (IMAGENET1K_V1, DEFAULT); anything else is a path."""
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # keys of a state dict saved from a DDP-wrapped or compiled model
 StateDict = dict[str, torch.Tensor]
-
-
-def _error(cfg: ModelConfig, what: str, fix: str) -> WeightsError:
-    return WeightsError(f"model.weights={cfg.weights!r}: {what}", fix, setting="model.weights", value=cfg.weights)
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -48,7 +40,7 @@ def _torchvision_weights(cfg: ModelConfig) -> Any:
     try:
         enum = torchvision.models.get_model_weights(cfg.name)
     except (ValueError, KeyError):
-        raise _error(
+        raise files.error(
             cfg,
             f"a torchvision weights name, but model.name={cfg.name!r} is not a torchvision model.",
             "pass a path to a state dict or ddp-job checkpoint for a user model.",
@@ -56,7 +48,7 @@ def _torchvision_weights(cfg: ModelConfig) -> Any:
     try:
         return enum[cfg.weights]
     except KeyError:
-        raise _error(
+        raise files.error(
             cfg,
             f"{enum.__name__} has no such weights.",
             f"use one of {['DEFAULT', *(w.name for w in enum)]}, or a path to a state dict.",
@@ -76,69 +68,12 @@ def _from_torchvision(cfg: ModelConfig, fetch: bool) -> StateDict | None:
     try:
         return dict(weights.get_state_dict(progress=False, weights_only=True))
     except Exception as e:
-        raise _error(
+        raise files.error(
             cfg,
             f"cannot fetch {weights.url} into torch hub's cache {cached} ({type(e).__name__}: {str(e)[:200]}).",
             "run once where the network is reachable (the file is then cached), or copy the file to that path; "
             "TORCH_HOME moves the cache (e.g. onto a shared file system).",
         ) from None
-
-
-def _checkpoint_file(cfg: ModelConfig, path: Path) -> Path:
-    if path.is_file():
-        return path
-    if not path.exists():
-        raise _error(
-            cfg, "no such file or directory.", "pass an existing state dict file, ddp-job checkpoint or run directory."
-        )
-    if (path / "state.pt").is_file():
-        return path / "state.pt"
-    found = store.find_latest(path)
-    if found is None:
-        raise _error(
-            cfg,
-            "a directory without state.pt and without a verified step-* checkpoint.",
-            "pass a state dict file, a ddp-job step-N/ directory, or a run directory that holds one.",
-        )
-    return found.path / "state.pt"
-
-
-def _unwrap(cfg: ModelConfig, file: Path, obj: Any) -> StateDict:
-    """The model's tensors in what was saved: a state dict, a ddp-job checkpoint or {"state_dict": ...}."""
-    if isinstance(obj, Mapping):
-        for key in ("model", "state_dict"):
-            if isinstance(obj.get(key), Mapping):
-                obj = obj[key]
-                break
-    if not isinstance(obj, Mapping) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        keys = list(obj)[:6] if isinstance(obj, Mapping) else []
-        raise _error(
-            cfg,
-            f"{file} holds a {type(obj).__name__} {keys or ''}, not a state dict (a mapping of tensor names to tensors).",
-            "save the weights with torch.save(model.state_dict(), PATH), or pass a ddp-job checkpoint.",
-        )
-    state = {str(k): v for k, v in obj.items()}
-    for prefix in WRAPPER_PREFIXES:
-        if all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix) :]: v for k, v in state.items()}
-    return state
-
-
-def _from_path(cfg: ModelConfig) -> StateDict:
-    file = _checkpoint_file(cfg, Path(cfg.weights))
-    try:
-        if file.name == store.STATE_FILE and (file.parent / SHARDS).is_dir():  # a checkpoint's model is in its shards
-            obj = read_whole(file.parent, ("model",))
-        else:
-            obj = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise _error(
-            cfg,
-            f"cannot load {file} ({type(e).__name__}: {str(e).strip()[:200]}).",
-            "the file is truncated, corrupt or not a torch.save file of tensors (torch.load(weights_only=True) "
-            "refuses pickled objects): save it again with torch.save(model.state_dict(), PATH).",
-        ) from None
-    return _unwrap(cfg, file, obj)
 
 
 def read_weights(cfg: ModelConfig, fetch: bool = True) -> StateDict | None:
@@ -152,14 +87,10 @@ def read_weights(cfg: ModelConfig, fetch: bool = True) -> StateDict | None:
         return None
     if TORCHVISION_NAME.fullmatch(cfg.weights) and not Path(cfg.weights).exists():
         return _from_torchvision(cfg, fetch)
-    return _from_path(cfg)
+    return files.read_file(cfg)
 
 
 # ------------------------------------------------------------------------------------------ matching
-def _shape(shape: torch.Size | tuple[int, ...]) -> str:
-    return "x".join(map(str, shape)) or "scalar"
-
-
 def head_keys(expected: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor], num_classes: int) -> list[str]:
     """The tensors to leave at their initialisation because the weights' head has another number of classes.
 
@@ -167,19 +98,18 @@ def head_keys(expected: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Te
     tensor that does not fit: one the model has and the weights lack, one the weights have and the model lacks, or a
     shape difference outside one head module.
     """
-    for key, tensor in expected.items():
-        if key not in saved:
-            raise ValueError(f"the model's tensor {key} ({_shape(tensor.shape)}) is not in the weights")
-    for key in saved:
-        if key not in expected:
-            raise ValueError(f"the weights' tensor {key} ({_shape(saved[key].shape)}) is not in the model")
+    wrong = files.missing_or_extra(expected, saved)
+    if wrong:
+        raise ValueError(wrong)
     differ = [k for k, t in expected.items() if tuple(saved[k].shape) != tuple(t.shape)]
     modules = {k.rpartition(".")[0] for k in differ}
     for key in differ:
         want, got = tuple(expected[key].shape), tuple(saved[key].shape)
         is_head = len(modules) == 1 and want[:1] == (num_classes,) and got[1:] == want[1:] and len(got) == len(want)
         if not is_head:
-            raise ValueError(f"tensor {key} is {_shape(got)} in the weights but {_shape(want)} in the model")
+            raise ValueError(
+                f"tensor {key} is {files.shape_text(got)} in the weights but {files.shape_text(want)} in the model"
+            )
     return differ
 
 
@@ -188,7 +118,7 @@ def fit(cfg: ModelConfig, model: nn.Module, saved: Mapping[str, torch.Tensor], n
     try:
         return head_keys(model.state_dict(), saved, num_classes)
     except ValueError as e:
-        raise _error(
+        raise files.error(
             cfg,
             f"does not fit model.name={cfg.name!r}: {e} (weights of another architecture or configuration).",
             "pass weights saved from this model (same model.name, model.options and model.norm), or leave "
