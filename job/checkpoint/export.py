@@ -259,9 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         type=Path,
         required=True,
+        metavar="DIR",
         help="a run directory (its newest checkpoint that verifies) or one step-NNNNNNN/ directory",
     )
-    p.add_argument("--out", type=Path, required=True, help="the safetensors file to write (e.g. model.safetensors)")
+    p.add_argument(
+        "--out", type=Path, required=True, metavar="FILE", help="the safetensors file to write (e.g. model.safetensors)"
+    )
     p.add_argument(
         "--ema", action="store_true", help="export the EMA of the weights (ema.enabled) instead of the model"
     )
