@@ -75,9 +75,7 @@ class Storage:
 
 
 def _ref(t: torch.Tensor) -> Ref:
-    return Ref(
-        t.untyped_storage()._cdata, tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype
-    )
+    return Ref(t.untyped_storage()._cdata, tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
 class _Recorder(TorchDispatchMode):
