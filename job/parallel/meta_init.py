@@ -75,7 +75,7 @@ class Storage:
 
 
 def _ref(t: torch.Tensor) -> Ref:
-    return Ref(t.untyped_storage()._cdata, tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.dtype)
+    return Ref(t.untyped_storage()._cdata, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
 
 class _Recorder(TorchDispatchMode):
@@ -220,7 +220,7 @@ class Replay:
         node = self.storages[key]
         assert node.created_by is not None
         created = self._run(node.created_by, None)
-        base = tree_flatten(created)[0][node.output]
+        base: torch.Tensor = tree_flatten(created)[0][node.output]
         for op in node.writes:
             if op.index >= upto:
                 break
