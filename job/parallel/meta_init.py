@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -39,6 +40,8 @@ log = logging.getLogger("job")
 
 PATCHED_INITS = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 """torch.nn.init functions that return early on a meta tensor: recorded as calls, replayed on the CPU."""
+FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
+"""Factories from Python data: on meta they keep no value and dispatch no operation (``_Constants``)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,17 @@ def _refs(tree: Any) -> Any:
     return tree_map(one, tree)
 
 
+class _Constants(TorchFunctionMode):
+    """``torch.tensor(data)`` (BatchNorm's ``num_batches_tracked``) made on the CPU, then copied to meta: the
+    copy is an operation the record keeps, with the CPU value as its constant argument."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in FROM_DATA and kwargs.get("device") is None:
+            return func(*args, **{**kwargs, "device": "cpu"}).to("meta")
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _recording_calls(recorder: _Recorder) -> Iterator[None]:
     """Patch the nn.init functions that return early on meta so that a meta call is recorded."""
@@ -181,14 +195,16 @@ class Replay:
         self.tensors = {name: _ref(t) for name, t in _named_tensors(model)}
         self.problems = list(recorder.problems) + self._check(model)
         self.rng: dict[int, torch.Tensor] = {}
-        """The CPU generator's state before each random op (``_draws``)."""
+        """The CPU generator's state before each random op (``draws``)."""
+        self.rng_after = torch.random.get_rng_state()
+        """The CPU generator's state after the CPU build (``draws``): where ``build`` leaves it."""
 
     def unreplayable(self) -> list[str]:
         """Why the record cannot reproduce the CPU build (empty: it can)."""
         return self.problems
 
     def _check(self, model: nn.Module) -> list[str]:
-        problems = []
+        problems = _plain_tensors(model)
         for name, t in _named_tensors(model):
             if not t.is_meta:
                 problems.append(f"{name} is made on {t.device}, not on the meta device")
@@ -209,6 +225,7 @@ class Replay:
                 if op.random:
                     self.rng[op.index] = torch.random.get_rng_state()
                     self._run(op, None, scratch=True)
+            self.rng_after = torch.random.get_rng_state()
 
     def value(self, name: str) -> torch.Tensor:
         """The tensor ``name`` of the model as the CPU build makes it (a new CPU tensor)."""
@@ -251,7 +268,7 @@ class Replay:
     def materialise(self, model: nn.Module, device: torch.device) -> None:
         """Allocate the (sharded) meta ``model`` on ``device`` and fill each tensor, or this rank's chunk of it,
         with the CPU build's values. A rank holds one whole tensor at a time, never the model."""
-        model.to_empty(device=device)
+        allocate(model, device)
         with torch.no_grad():
             for name, t in _named_tensors(model):
                 full = self.value(name).to(device)
@@ -261,6 +278,23 @@ class Replay:
                 else:
                     t.copy_(full)
                 del full
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device)`` with its tied parameters tied again: ``to_empty`` gives each module a new
+    parameter where the meta one cannot take the new storage in place (a plain tensor; an FSDP DTensor can), and
+    a tie broken there would train two copies of a weight meant to be one."""
+    first: dict[int, str] = {}
+    ties = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    model.to_empty(device=device)
+    for name, owner in ties:
+        prefix, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(prefix), attr, model.get_parameter(owner))
 
 
 def _view(base: torch.Tensor, ref: Ref) -> torch.Tensor:
@@ -273,20 +307,32 @@ def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _plain_tensors(model: nn.Module) -> list[str]:
+    """Tensors a module keeps as plain attributes: neither moved nor materialised with the module (they would
+    stay on meta)."""
+    return [
+        f"{prefix or 'the model'}.{attr} is a tensor attribute, neither a parameter nor a buffer"
+        for prefix, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    ]
+
+
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
 
 
-def build(build_model: Callable[[], nn.Module], seed: int) -> tuple[nn.Module, Replay | None]:
+def build(build_model: Callable[[], nn.Module], seed: int, warn: bool = True) -> tuple[nn.Module, Replay | None]:
     """The model on meta with its ``Replay``, or, where the record cannot reproduce the CPU build, the model
-    built on the CPU (seeded with ``seed``) and None, with a warning naming why."""
+    built on the CPU (seeded with ``seed``) and None, with a warning naming why (``warn``: this rank logs it).
+    Either way the CPU generator is left as the CPU build seeded with ``seed`` leaves it."""
     recorder = _Recorder()
     before = torch.random.get_rng_state()
     reasons: list[str] = []
     model: nn.Module | None = None
     try:
-        with torch.device("meta"), _recording_calls(recorder), recorder:
+        with torch.device("meta"), _Constants(), _recording_calls(recorder), recorder:
             model = build_model()
     except Exception as e:
         reasons.append(f"the build fails on the meta device ({type(e).__name__}: {str(e).strip()[:200]})")
@@ -297,11 +343,14 @@ def build(build_model: Callable[[], nn.Module], seed: int) -> tuple[nn.Module, R
         replay = Replay(model, recorder, seed)
         reasons += replay.unreplayable()
     if reasons or model is None or replay is None:
-        log.warning(
-            "fsdp: building the whole model on the CPU on every rank, then sharding it (%s)", "; ".join(reasons[:3])
-        )
+        if warn:
+            log.warning(
+                "fsdp: building the whole model on the CPU on every rank, then sharding it (%s)",
+                "; ".join(reasons[:3]),
+            )
         torch.random.set_rng_state(before)
         torch.manual_seed(seed)
         return build_model(), None
     replay.draws()
+    torch.random.set_rng_state(replay.rng_after)
     return model, replay
