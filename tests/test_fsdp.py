@@ -12,6 +12,7 @@ Real torchrun runs on gloo of the causal language model, its training items coun
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -139,6 +140,19 @@ def test_fsdp_ends_within_fp32_tolerance_of_ddp(runs: dict[str, Any], tmp_path: 
     for marker in ("FINAL ", "INFO EMA "):  # exact evaluation of the model and of its EMA: the same metrics
         want, got = after(runs["logs"]["ddp"], marker), after(runs["logs"]["fsdp"], marker)
         assert len(want) == 1 and want == got, (want, got)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("name", "n"), [("fsdp", 2), ("four", 4)])
+def test_fsdp_builds_on_meta_and_each_rank_materialises_its_shards(runs: dict[str, Any], name: str, n: int) -> None:
+    """The runs above start from the meta model (so the FSDP == DDP comparison checks its initialisation): no
+    fallback to the CPU build, and rank 0 allocated its 1/n of the parameters (job.parallel.meta_init)."""
+    log = runs["logs"][name]
+    assert "building the whole model on the CPU" not in log
+    held = re.findall(r"model built on the meta device; rank 0 holds (\d+) of its (\d+) parameter bytes", log)
+    assert len(held) == 1, log[-3000:]
+    mine, whole = map(int, held[0])
+    assert whole / n <= mine <= 1.1 * whole / n, (mine, whole)
 
 
 @pytest.mark.integration

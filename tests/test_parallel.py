@@ -183,6 +183,18 @@ def test_zero_shards_resnet50_adamw_state(worker_results: dict) -> None:
     assert max(zero) <= 0.55 * plain[0], f"ZeRO per-rank state {zero} is not about half of {plain[0]}"
 
 
+def test_fsdp_meta_build_never_holds_the_whole_model_on_a_rank(worker_results: dict) -> None:
+    """train.strategy=fsdp builds the GPT on the meta device and materialises each rank's shards one tensor at a
+    time (job.parallel.meta_init): a rank's peak of live CPU bytes is its half of the parameters plus a few of the
+    largest tensor, where building it whole first peaks above the whole model (the tracker sees that)."""
+    for rank in worker_results["meta"]:
+        whole, largest, mine = rank["param_bytes"], rank["largest_bytes"], rank["mine_bytes"]
+        assert rank["shards_equal_cpu_build"]
+        assert whole / 2 <= mine <= 0.55 * whole, rank
+        assert rank["cpu_peak"] >= whole, rank
+        assert rank["meta_peak"] <= mine + 4 * largest < 0.7 * whole, rank
+
+
 @pytest.mark.parametrize("static_graph", [False, True])
 def test_start_up_bucket_rebuild_changes_no_state(static_graph: bool) -> None:
     """wrap_model's throwaway passes leave parameters, BatchNorm statistics, gradients, mode and the random

@@ -4,9 +4,10 @@
 The units (modules whose parameters are gathered together, one all-gather each) are the modules whose class
 names ``fsdp.units`` lists, else those the task's optional ``shard_units(model)`` returns; the root is always
 one more unit, holding every parameter no unit owns. Preflight checks the units on the model it built
-(``check_units``: exit 2 before any process group); ``shard`` then shards that same model in place, so FSDP starts
-from exactly the parameters DDP would (every rank built them identically from the seeded RNG). See
-docs/sharding.md for when to choose it and what it costs.
+(``check_units``: exit 2 before any process group); ``shard`` then shards that same model in place. Preflight
+built it on the meta device (job.parallel.meta_init: each rank then materialises its shards as the seeded CPU
+build would make them), or whole on the CPU where that is refused, so FSDP starts from exactly the parameters DDP
+would. See docs/sharding.md for when to choose it and what it costs.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 
 
 def shard(model: nn.Module, cfg: JobConfig, task: Any, device: torch.device, world_size: int) -> nn.Module:
-    """Shard ``model`` (on ``device``, identical on every rank) in place over all ranks: each unit, then the
-    root. Its parameters become DTensors holding this rank's dim-0 chunk; the rest is freed."""
+    """Shard ``model`` (on ``device``, identical on every rank, or on the meta device) in place over all ranks:
+    each unit, then the root. Its parameters become DTensors holding this rank's dim-0 chunk; the rest is freed."""
     mesh = init_device_mesh(device.type, (world_size,))
     kwargs: dict[str, Any] = {
         "mesh": mesh,

@@ -1,15 +1,19 @@
 """A task checked before any process group or write, computed once and handed on (``Checked``).
 
 In order: the task's own preparation (the image task validates its data source), the model built once on the
-CPU from ``run.seed`` (the one the run trains, so it is never built twice) with ``model.weights`` loaded, both
+CPU from ``run.seed`` (the one the run trains, so it is never built twice) with ``model.weights`` loaded (under
+``train.strategy: fsdp`` with no weights to load: on the meta device, job.parallel.meta_init), both
 datasets opened and checked to be map-style and non-empty, one collated batch of the first training items, ``loss`` on it (a finite
 scalar) and ``metrics`` on it (``(sum, count)`` pairs, whose names every rank then agrees on). The model's
-buffers (BatchNorm statistics) and every RNG are left as they were, so the checks change no result.
+buffers (BatchNorm statistics) and every RNG are left as they were, so the checks change no result. A model on
+the meta device has no values: its loss and metrics are checked once it is sharded and materialised
+(``check_values``, from job.train.parts), on the model the run trains, never on a second whole copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +29,10 @@ from job.data.items import Collate, SeededItems, check_dataset
 from job.data.loaders import require_one_batch
 from job.data.workers import WorkerFailure
 from job.errors import JobError
+from job.parallel import meta_init
 from job.tasks.contract import SPLITS, Bound, describe
+
+log = logging.getLogger("job")
 
 PROBE_ITEMS = 2
 """Items in the preflight batch (BatchNorm in train mode needs more than one)."""
@@ -39,7 +46,8 @@ class Checked:
     """What preflight found, for the run to use: nothing here is computed again."""
 
     model: nn.Module
-    """Built on the CPU from run.seed, with ``model.weights`` loaded (by the task, where it owns them)."""
+    """Built on the CPU from run.seed, with ``model.weights`` loaded (by the task, where it owns them); on the
+    meta device where ``replay`` is set."""
     metric_names: tuple[str, ...]
     """The names ``metrics`` returns, in order: every rank sums the same ones."""
     datasets: dict[str, Any]
@@ -50,6 +58,9 @@ class Checked:
     """The preflight batch (CPU): DDP's start-up passes run the task's loss on it (job.parallel.ddp)."""
     param_groups: list[dict[str, Any]] | None = None
     """The task's parameter groups of ``model`` (``lr_scale`` kept for the optimizer), None for the job's own."""
+    replay: meta_init.Replay | None = None
+    """``model`` is on the meta device and this gives each tensor's value as the CPU build makes it; its loss and
+    metrics are not checked yet (``check_values``), ``metric_names`` is empty until then."""
 
 
 def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool, load_weights: bool = True) -> Checked:
@@ -61,9 +72,7 @@ def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool
     own = task.task
     if task.has("prepare"):
         own.prepare(env, plan, cuda)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.run.seed)  # identical init on every rank
-        model = task.build_model()
+    model, replay = _build(task, cfg, env, load_weights)
     if load_weights and task.has("initial_weights"):  # the image task owns its weights (torchvision names, heads)
         own.initial_weights(model, env)
     elif load_weights and cfg.model.weights:
@@ -76,13 +85,45 @@ def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool
     batch = _probe_batch(task, cfg, datasets)
     if datasets:
         _check_spread(task, cfg, datasets, plan.micro_batch_size)
-    with _unchanged(model):
-        if task.has("check_built"):
-            own.check_built(model)
-        _check_loss(task, model, batch)
-        names = _check_metrics(task, model, batch)
+    names: tuple[str, ...] = ()
+    if replay is not None:
+        if task.has("check_built"):  # shapes only: a meta forward computes the output's shape, not its values
+            with torch.device("meta"):
+                own.check_built(model)
+    else:
+        with _unchanged(model):
+            if task.has("check_built"):
+                own.check_built(model)
+            _check_loss(task, model, batch)
+            names = _check_metrics(task, model, batch)
     groups = _param_groups(task, model)
-    return Checked(model, names, datasets, _describe(task, datasets), batch, groups)
+    return Checked(model, names, datasets, _describe(task, datasets), batch, groups, replay)
+
+
+def _build(task: Bound, cfg: JobConfig, env: DistEnv, load_weights: bool) -> tuple[nn.Module, meta_init.Replay | None]:
+    """The model from run.seed, identical on every rank, every RNG left as it was. Under fsdp, unless weights
+    are to be loaded into it, on the meta device with its replay (None where meta_init refuses: then on the CPU)."""
+    with torch.random.fork_rng(devices=[]):
+        if cfg.train.strategy == "fsdp" and not (load_weights and cfg.model.weights):
+            return meta_init.build(task.build_model, cfg.run.seed, warn=env.is_main)
+        if cfg.train.strategy == "fsdp" and env.is_main:
+            log.info("fsdp: model.weights is set: building the whole model on the CPU to load them, then sharding")
+        torch.manual_seed(cfg.run.seed)
+        return task.build_model(), None
+
+
+def check_values(task: Bound, checked: Checked, model: nn.Module, device: torch.device) -> None:
+    """The loss and metrics checks of ``check_task`` on ``model``, the meta model now sharded and materialised
+    on ``device`` (every rank runs them on the same batch: the sharded forward's collectives match). Sets
+    ``checked.metric_names``; buffers and every RNG are left as they were.
+
+    Raises:
+        UserCodeError / BadInput (exit 2) naming the setting, the value and the fix.
+    """
+    batch = transfer(task, checked.batch, device)
+    with _unchanged(model, device):
+        _check_loss(task, model, batch)
+        checked.metric_names = _check_metrics(task, model, batch)
 
 
 def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> Any:
@@ -189,11 +230,15 @@ def _param_groups(task: Bound, model: nn.Module) -> list[dict[str, Any]] | None:
 
 
 @contextlib.contextmanager
-def _unchanged(model: nn.Module) -> Iterator[None]:
-    """The model's buffers, mode and every CPU RNG as they were before the checks' forward passes."""
+def _unchanged(model: nn.Module, device: torch.device | None = None) -> Iterator[None]:
+    """The model's buffers, mode and every CPU RNG (and ``device``'s, a CUDA one) as they were before the
+    checks' forward passes."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     was_training = model.training
-    with torch.random.fork_rng(devices=[]):
+    devices: list[int] = []
+    if device is not None and device.type == "cuda":
+        devices = [torch.cuda.current_device() if device.index is None else device.index]
+    with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:

@@ -59,6 +59,12 @@ class Ema:
             self.averaged.n_averaged.add_(1)
         self.updates += 1
 
+    def start_from(self, model: nn.Module) -> None:
+        """The averaged copy set equal to ``model`` (parameters and buffers; each rank its own shards): an EMA
+        built from a model on the meta device, allocated with ``to_empty``, starts where the model does."""
+        with torch.no_grad():
+            torch._foreach_copy_(_tensors(self.averaged.module), _tensors(model))
+
     def state_dict(self) -> dict[str, Any]:
         return self.averaged.state_dict()  # module.* tensors + n_averaged
 

@@ -5,6 +5,7 @@ schedule, gradient scaler, EMA and the task. ``build_parts`` is the whole wiring
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -19,13 +20,15 @@ from job.config import JobConfig
 from job.config.plan import Plan
 from job.data.items import task_loaders
 from job.data.loaders import Loaders
-from job.parallel import ddp, distributed, fsdp
+from job.parallel import ddp, distributed, fsdp, meta_init
 from job.tasks.contract import Bound, TrainingStep
 from job.tasks.load import load_task
-from job.tasks.preflight import Checked, check_task, transfer
+from job.tasks.preflight import Checked, check_task, check_values, transfer
 from job.train.ema import Ema, build_ema
 from job.train.guard import NonFiniteGuard
 from job.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("job")
 
 
 @dataclass
@@ -80,20 +83,15 @@ def build_parts(
     raw_model = checked.model
     if initial_weights and task.has("load_pending_weights"):
         task.task.load_pending_weights(raw_model, env)
-    raw_model = raw_model.to(device)
     groups = checked.param_groups
     if cfg.train.strategy == "fsdp":
-        # The EMA copied from the whole model, then sharded like it (FSDP modules cannot be copied).
-        ema = build_ema(raw_model, cfg.ema)
-        if ema is not None:
-            fsdp.shard(ema.module, cfg, task, device, env.world_size)
-        # Sharded in place: the model's own hooks gather and reduce-scatter (its parameters are DTensors of this
-        # rank's chunks); the step module only hands loss the user's module, as everywhere else.
         names = {id(p): n for n, p in raw_model.named_parameters()}
-        raw_model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
+        raw_model, ema = _sharded(cfg, env, task, checked, device)
         groups = fsdp.remap_groups(groups, names, raw_model)
+        # The step module only hands loss the user's module, as everywhere else.
         model: nn.Module = TrainingStep(raw_model, task)
     else:
+        raw_model = raw_model.to(device)
         ema = build_ema(raw_model, cfg.ema)
         settle = _loss_probe(transfer(task, checked.batch, device))
         # The wrapper wraps the task's step, not the model: loss gets the user's own module, as everywhere else.
@@ -120,6 +118,37 @@ def build_parts(
         guard=NonFiniteGuard(optimizer, device, cfg.train.max_nonfinite_skips, cfg.train.precision == "fp16"),
         probe_batch=checked.batch,
     )
+
+
+def _sharded(
+    cfg: JobConfig, env: DistEnv, task: Bound, checked: Checked, device: torch.device
+) -> tuple[nn.Module, Ema | None]:
+    """Preflight's model sharded in place (its hooks gather and reduce-scatter; its parameters become DTensors of
+    this rank's chunks), and the EMA sharded the same way (FSDP modules cannot be copied, so it is copied first).
+
+    A meta model (``checked.replay``) is sharded on meta, then only this rank's chunks are allocated on
+    ``device`` and filled with the CPU build's values, one tensor at a time: no rank holds the whole model. The
+    EMA starts equal to it, and preflight's loss and metrics checks run on it now (``check_values``)."""
+    raw_model = checked.model
+    replay = checked.replay
+    if replay is None:
+        raw_model = raw_model.to(device)
+    ema = build_ema(raw_model, cfg.ema)
+    if ema is not None:
+        fsdp.shard(ema.module, cfg, task, device, env.world_size)
+    raw_model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
+    if replay is not None:
+        replay.materialise(raw_model, device)
+        if ema is not None:
+            meta_init.allocate(ema.module, device)
+            ema.start_from(raw_model)
+        check_values(task, checked, raw_model, device)
+        if env.is_main:
+            params = list(raw_model.parameters())
+            mine = sum(fsdp.local(p).numel() * p.element_size() for p in params)
+            whole = sum(p.numel() * p.element_size() for p in params)
+            log.info("fsdp: model built on the meta device; rank 0 holds %d of its %d parameter bytes", mine, whole)
+    return raw_model, ema
 
 
 def _loaders(cfg: JobConfig, env: DistEnv, plan: Plan, device: torch.device, task: Bound, checked: Checked) -> Loaders:

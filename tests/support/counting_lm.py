@@ -2,7 +2,8 @@
 options; each training process appends, in the directory the environment variable ``VISITS`` names, the index of every item it trains on
 (one line each, in order, to ``<pid>.txt``). Items are counted in ``loss``, so evaluation counts nothing and
 read-ahead of the data pipeline neither. Two start-up callers of ``loss`` train on no item and are not counted:
-preflight's check of the loss (job.tasks.preflight.check_task) and, under DDP, the throwaway passes that let DDP
+preflight's check of the loss (job.tasks.preflight.check_task, or ``check_values`` on a model built on the meta
+device, once sharded) and, under DDP, the throwaway passes that let DDP
 rebuild its gradient buckets before the first step (job.parallel.ddp.settle_buckets, 2 passes on preflight's batch,
 whose state they restore)."""
 
@@ -57,7 +58,7 @@ class CountingLM:
         return self.lm.metrics(model, batch["tokens"])
 
 
-START_UP = frozenset({"check_task", "settle_buckets"})
+START_UP = frozenset({"check_task", "check_values", "settle_buckets"})
 """The functions whose calls of ``loss`` train on nothing (see the module docstring)."""
 
 

@@ -4,6 +4,9 @@ Scenarios, in one launch so the ~10 s start-up is paid once:
   hooks   for each comm hook (bf16, fp16; PowerSGD deadlocks on gloo and is refused there): a few DDP steps via job.parallel.ddp.wrap_model on a fixed
           batch of the generated dataset; losses, and the max parameter difference across ranks.
   memory  bytes of AdamW optimizer state per rank for a ResNet-50, with and without ZeRO.
+  meta    the causal_lm GPT sharded with FSDP2 as train.strategy=fsdp builds it (job.parallel.meta_init: on meta,
+          sharded, this rank's shards materialised), then as a CPU build would (whole, then sharded): the peak of
+          live CPU tensor bytes of each, this rank's parameter bytes, and its shards against the CPU build's.
 """
 
 from __future__ import annotations
@@ -12,18 +15,25 @@ import faulthandler
 import json
 import sys
 import time
+import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torchvision
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from job.config import load_config
 from job.data.loaders import to_device
 from job.data.source import build_loaders
 from job.parallel import ddp as parallel
+from job.parallel import fsdp, meta_init
 from job.parallel.distributed import Runtime
 from job.tasks.image.model import build_model, image_probe
+from job.tasks.lm.gpt import GPT, GPTConfig
 from job.train.optim import build_optimizer
 
 
@@ -91,6 +101,61 @@ def memory_run(rt: Runtime) -> dict:
     return out
 
 
+class LiveBytes(TorchDispatchMode):
+    """The bytes of CPU tensor storages alive, and their peak: each storage counted when an operation first
+    returns it, uncounted when it is freed (a storage's Python object lives as long as the storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.sizes: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.sizes:
+                    self.sizes[key] = storage.nbytes()
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+
+def meta_run() -> dict:
+    """Peak live CPU bytes while the GPT is built and sharded over the 2 ranks: from the meta device (the fsdp
+    path), and whole on the CPU first (what it replaces). Rank 0 also checks its shards bitwise."""
+    cfg = load_config(["--train.strategy", "fsdp"], {})
+    gpt = GPTConfig(n_layer=8, n_head=2, n_embd=64, seq_len=16)
+    out: dict[str, Any] = {}
+    with LiveBytes() as meta:
+        model, replay = meta_init.build(lambda: GPT(gpt), seed=5)
+        assert replay is not None, "the GPT fell back to the CPU build"
+        fsdp.shard(model, cfg, None, torch.device("cpu"), dist.get_world_size())
+        replay.materialise(model, torch.device("cpu"))
+    with LiveBytes() as cpu:
+        torch.manual_seed(5)
+        whole = GPT(gpt)
+        fsdp.shard(whole, cfg, None, torch.device("cpu"), dist.get_world_size())
+    params = list(model.parameters())
+    out["meta_peak"], out["cpu_peak"] = meta.peak, cpu.peak
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+    out["largest_bytes"] = max(p.numel() * p.element_size() for p in params)
+    out["mine_bytes"] = sum(fsdp.local(p).numel() * p.element_size() for p in params)
+    out["shards_equal_cpu_build"] = all(
+        torch.equal(fsdp.local(a), fsdp.local(b))
+        for a, b in zip(model.state_dict().values(), whole.state_dict().values(), strict=True)
+    )
+    return out
+
+
 def main() -> None:
     out_path, data = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -104,6 +169,8 @@ def main() -> None:
             f"rank {dist.get_rank()}: hook {hook} done at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
         )
     results["memory"] = memory_run(rt)
+    results["meta"] = [None] * dist.get_world_size()
+    dist.all_gather_object(results["meta"], meta_run())
     print(f"rank {dist.get_rank()}: memory done at {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
