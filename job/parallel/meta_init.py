@@ -3,11 +3,13 @@
 Under ``train.strategy: fsdp`` no rank may hold the whole model: a 7B-parameter model in fp32 is 28 GB, times the
 ranks of a node. ``build`` runs the task's ``build_model`` under ``torch.device("meta")`` (shapes, no storage)
 and records, with a dispatch mode, every operation that creates or writes a tensor: factories, the in-place
-initialisers (``normal_``, ``uniform_``, ``fill_``, a view's ``zero_`` for an embedding's padding row), and any
-operation that computes one tensor from others. ``Replay`` then recomputes ONE tensor at a time on the CPU from
+initialisers (``normal_``, ``uniform_``, ``fill_``, a view's ``zero_`` for an embedding's padding row), any
+operation that computes one tensor from others, and ``torch.tensor(data)`` constants (made on the CPU, then
+copied to meta: ``_Constants``). ``Replay`` then recomputes ONE tensor at a time on the CPU from
 that record: the random draws replay with the CPU generator state each would have found in a CPU build seeded
 with ``run.seed`` (found in a first pass over the draws alone, one tensor's worth of scratch memory at a time).
-So FSDP starts from exactly the parameters DDP does, and a rank's peak is its shards plus the largest tensor.
+So FSDP starts from exactly the parameters DDP does, and a rank's peak is its shards plus a few of the largest
+tensor (measured in tests/test_parallel.py).
 
 Why not a model's own ``init_weights``/``reset_parameters`` after ``to_empty`` (torchtitan's way): the task
 contract promises that the model ``build_model`` returns is the model trained, whatever its initialisation code;
@@ -16,7 +18,8 @@ replaying it keeps that promise without asking tasks for a second initialiser.
 What cannot be replayed falls back to the CPU build (with a warning naming the reason, ``Replay.unreplayable``):
 a build that fails on meta (an op reading values: ``.item()``, data-dependent shapes), a build that draws from
 or seeds the CPU generator itself, a draw with its own ``generator=``, a tensor made on another device, a tensor
-never written after ``torch.empty`` (an initialiser that skips meta tensors). The initialisers of
+never written after ``torch.empty`` (an initialiser that skips meta tensors), a module's tensor kept as a plain
+attribute (not a parameter or buffer: never materialised). The initialisers of
 ``torch.nn.init`` that return early on meta tensors (``trunc_normal_``, ``orthogonal_``, ``sparse_``, ``dirac_``)
 are recorded as calls and replayed as such.
 """
