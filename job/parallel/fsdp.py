@@ -68,9 +68,54 @@ def unit_modules(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.Module]
 
 
 def check_units(model: nn.Module, cfg: JobConfig, task: Any) -> None:
-    """Preflight, on the model it built: the configured units exist (exit 2 otherwise)."""
+    """Preflight, on the model it built: the configured units exist, and activation checkpointing has units to
+    checkpoint (exit 2 otherwise)."""
     if cfg.train.strategy == "fsdp":
         unit_modules(model, cfg, task)
+    if cfg.train.activation_checkpointing:
+        checkpointed_units(model, cfg, task)
+
+
+def checkpointed_units(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.Module]:
+    """The units whose activations ``train.activation_checkpointing`` recomputes: the same modules fsdp shards.
+
+    Raises:
+        BadInput: under ``train.strategy: dp`` (a baseline only), or when there are no units: checkpointing the
+            whole model would recompute everything and save nothing.
+    """
+    if cfg.train.strategy == "dp":
+        raise BadInput(
+            "train.activation_checkpointing=true with train.strategy='dp': it applies under ddp and fsdp only "
+            "(dp is a baseline for comparison).",
+            "--train.strategy ddp, or --train.activation-checkpointing false.",
+            setting="train.activation_checkpointing",
+            value=True,
+        )
+    units = unit_modules(model, cfg, task)
+    if not units:
+        raise BadInput(
+            "train.activation_checkpointing=true, but the model has no units to checkpoint: fsdp.units is empty "
+            "and the task has no shard_units(model).",
+            "name the model's repeated blocks, e.g. --fsdp.units '[Block]' (they are checkpointed under ddp too), "
+            "or --train.activation-checkpointing false.",
+            setting="train.activation_checkpointing",
+            value=True,
+        )
+    return units
+
+
+def checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Any) -> None:
+    """Checkpoint each unit's activations, in place, before sharding or wrapping (torchtitan's order).
+
+    torch's composable, non-reentrant checkpoint works through forward hooks: module names and state-dict keys
+    stay as they are, so a checkpoint saved with it resumes without it and back, and export needs nothing.
+    Under fsdp the recomputation calls the unit again, so its parameters are gathered again for it (with
+    ``fsdp.reshard_after_forward: true`` they would be anyway).
+    """
+    from torch.distributed._composable import checkpoint
+
+    for unit in checkpointed_units(model, cfg, task):
+        checkpoint(unit)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:

@@ -90,11 +90,13 @@ def build_parts(
         # Sharded in place: the model's own hooks gather and reduce-scatter (its parameters are DTensors of this
         # rank's chunks); the step module only hands loss the user's module, as everywhere else.
         names = {id(p): n for n, p in raw_model.named_parameters()}
+        _checkpoint_activations(raw_model, cfg, task)
         raw_model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
         groups = fsdp.remap_groups(groups, names, raw_model)
         model: nn.Module = TrainingStep(raw_model, task)
     else:
         ema = build_ema(raw_model, cfg.ema)
+        _checkpoint_activations(raw_model, cfg, task)
         settle = _loss_probe(transfer(task, checked.batch, device))
         # The wrapper wraps the task's step, not the model: loss gets the user's own module, as everywhere else.
         model = ddp.wrap_model(TrainingStep(raw_model, task), cfg, rt, settle)  # DDP, or the dp baseline
@@ -120,6 +122,12 @@ def build_parts(
         guard=NonFiniteGuard(optimizer, device, cfg.train.max_nonfinite_skips, cfg.train.precision == "fp16"),
         probe_batch=checked.batch,
     )
+
+
+def _checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Bound) -> None:
+    """After the EMA's copy (evaluated without gradients, it recomputes nothing), before sharding or wrapping."""
+    if cfg.train.activation_checkpointing:
+        fsdp.checkpoint_activations(model, cfg, task)
 
 
 def _loaders(cfg: JobConfig, env: DistEnv, plan: Plan, device: torch.device, task: Bound, checked: Checked) -> Loaders:
