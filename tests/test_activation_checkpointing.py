@@ -23,7 +23,8 @@ def train(checkpointed: bool, steps: int = 3) -> tuple[GPT, list[float], int]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, dropout=0.1))
     if checkpointed:
-        fsdp.checkpoint_activations(model, load_config([*AC, "--fsdp.units", "[Block]"], {}), None)
+        cfg = load_config([*AC, "--fsdp.units", "[Block]"], {})
+        assert fsdp.checkpoint_activations(model, cfg, None) == 2
     calls = [0]
 
     def count(*_: Any) -> None:

@@ -104,8 +104,9 @@ def checkpointed_units(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.M
     return units
 
 
-def checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Any) -> None:
-    """Checkpoint each unit's activations, in place, before sharding or wrapping (torchtitan's order).
+def checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Any) -> int:
+    """Checkpoint each unit's activations, in place, before sharding or wrapping (torchtitan's order); how many
+    units.
 
     torch's composable, non-reentrant checkpoint works through forward hooks: module names and state-dict keys
     stay as they are, so a checkpoint saved with it resumes without it and back, and export needs nothing.
@@ -114,8 +115,10 @@ def checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Any) -> None:
     """
     from torch.distributed._composable import checkpoint
 
-    for unit in checkpointed_units(model, cfg, task):
+    units = checkpointed_units(model, cfg, task)
+    for unit in units:
         checkpoint(unit)
+    return len(units)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -142,6 +145,20 @@ def shard(model: nn.Module, cfg: JobConfig, task: Any, device: torch.device, wor
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def compile_units(model: nn.Module, cfg: JobConfig, task: Any) -> int:
+    """Compile each unit's ``forward`` in place (torchtitan's per-block compile); how many (0: no units).
+
+    Why per unit: a compiled whole step traces into the units' hooks. FSDP's hooks break the graph around every
+    gather, and activation checkpointing's recomputation would run eagerly what was compiled, so its saved
+    tensors would not match (torch refuses). Compiling ``forward`` alone leaves every hook eager around it: FSDP
+    gathers, the checkpoint recomputes the same compiled graph, and names and state-dict keys stay unchanged.
+    """
+    units = unit_modules(model, cfg, task)
+    for unit in units:
+        unit.forward = torch.compile(unit.forward, mode=cfg.model.compile_mode)
+    return len(units)
 
 
 def remap_groups(groups: list[dict[str, Any]] | None, names: dict[int, str], model: nn.Module) -> Any:

@@ -5,6 +5,7 @@ schedule, gradient scaler, EMA and the task. ``build_parts`` is the whole wiring
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -27,6 +28,8 @@ from job.train.ema import Ema, build_ema
 from job.train.guard import NonFiniteGuard
 from job.train.optim import build_optimizer, build_scheduler
 
+log = logging.getLogger("job")
+
 
 @dataclass
 class Parts:
@@ -38,8 +41,9 @@ class Parts:
     """The DDP (or DataParallel) wrapper of the task's ``TrainingStep`` around ``raw_model``: gradient
     all-reduce, ``no_sync()``."""
     train_model: nn.Module
-    """What the step calls with a batch: ``model``, compiled when ``model.compile`` is set; it returns the
-    checked output of the task's ``loss(raw_model, batch)``."""
+    """What the step calls with a batch: ``model``, compiled whole when ``model.compile`` is set (under fsdp or
+    with activation checkpointing the units are compiled instead); it returns the checked output of the task's
+    ``loss(raw_model, batch)``."""
     optimizer: Optimizer
     scheduler: LRScheduler
     scaler: torch.amp.GradScaler
@@ -90,18 +94,18 @@ def build_parts(
         # Sharded in place: the model's own hooks gather and reduce-scatter (its parameters are DTensors of this
         # rank's chunks); the step module only hands loss the user's module, as everywhere else.
         names = {id(p): n for n, p in raw_model.named_parameters()}
-        _checkpoint_activations(raw_model, cfg, task)
+        units_compiled = _prepare_units(raw_model, cfg, task)
         raw_model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
         groups = fsdp.remap_groups(groups, names, raw_model)
         model: nn.Module = TrainingStep(raw_model, task)
     else:
         ema = build_ema(raw_model, cfg.ema)
-        _checkpoint_activations(raw_model, cfg, task)
+        units_compiled = _prepare_units(raw_model, cfg, task)
         settle = _loss_probe(transfer(task, checked.batch, device))
         # The wrapper wraps the task's step, not the model: loss gets the user's own module, as everywhere else.
         model = ddp.wrap_model(TrainingStep(raw_model, task), cfg, rt, settle)  # DDP, or the dp baseline
     train_model = model
-    if cfg.model.compile:
+    if cfg.model.compile and not units_compiled:
         train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
     optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device, groups)
     if not cfg.optim.zero:  # a sharded load, under either strategy, needs the state's shape (job.parallel.fsdp)
@@ -124,10 +128,20 @@ def build_parts(
     )
 
 
-def _checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Bound) -> None:
-    """After the EMA's copy (evaluated without gradients, it recomputes nothing), before sharding or wrapping."""
+def _prepare_units(model: nn.Module, cfg: JobConfig, task: Bound) -> bool:
+    """Activation checkpointing, then compile, of each unit: after the EMA's copy (evaluated without gradients,
+    it recomputes nothing), before sharding or wrapping (torchtitan's order). Under fsdp or with activation
+    checkpointing ``model.compile`` compiles the units (job.parallel.fsdp.compile_units); True when it did, else
+    the whole step is compiled."""
     if cfg.train.activation_checkpointing:
-        fsdp.checkpoint_activations(model, cfg, task)
+        count = fsdp.checkpoint_activations(model, cfg, task)
+        log.info("train.activation_checkpointing: checkpointing the activations of %d units", count)
+    if not cfg.model.compile or (cfg.train.strategy != "fsdp" and not cfg.train.activation_checkpointing):
+        return False
+    count = fsdp.compile_units(model, cfg, task)
+    if count:
+        log.info("model.compile: compiled %d units (the rest of the step runs eagerly)", count)
+    return count > 0
 
 
 def _loaders(cfg: JobConfig, env: DistEnv, plan: Plan, device: torch.device, task: Bound, checked: Checked) -> Loaders:
