@@ -110,8 +110,8 @@ def checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Any) -> int:
 
     torch's composable, non-reentrant checkpoint works through forward hooks: module names and state-dict keys
     stay as they are, so a checkpoint saved with it resumes without it and back, and export needs nothing.
-    Under fsdp the recomputation calls the unit again, so its parameters are gathered again for it (with
-    ``fsdp.reshard_after_forward: true`` they would be anyway).
+    Under fsdp the recomputation needs no gather of its own: FSDP's pre-backward hook has gathered the unit
+    before it runs (FSDP2 skips its pre-forward gather in that state).
     """
     from torch.distributed._composable import checkpoint
 
