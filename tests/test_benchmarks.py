@@ -395,7 +395,7 @@ def test_gpu_run_dry_run_streams_results_and_ends_within_its_budget(tmp_path):
     assert proc.returncode == 0, stdout
     assert _script_elapsed(out) <= budget + kill + 1, stdout
     got = [(r["benchmark"], r.get("point", False)) for r in _results(out)]
-    assert got == [("scaling", True), ("scaling", False)] + [("decode_gpu", False)] * 5 + [
+    assert got == [("scaling", True), ("scaling", False)] + [("decode_gpu", False)] * 6 + [
         ("paired", False),
         ("overhead", True),
         ("crops", True),
@@ -411,7 +411,7 @@ def test_gpu_run_dry_run_streams_results_and_ends_within_its_budget(tmp_path):
 def test_gpu_run_trains_with_settings_the_config_accepts(tmp_path):
     """Every trainer run of the script parses with the real config (a bad value would cost the GPU run its
     step), and the runs are the ones the figures need: DDP on synthetic data, both decode paths on JPEGs, and
-    DataParallel on the synthetic run's settings."""
+    DataParallel and FSDP on the synthetic run's settings."""
     from job.config import load_config
 
     proc, out, _ = _dry_run(tmp_path, "none", 90)
@@ -423,15 +423,17 @@ def test_gpu_run_trains_with_settings_the_config_accepts(tmp_path):
         if argv[0] == "train":
             cfg = load_config(argv[1:], environ={})
             runs[cfg.run.name] = cfg
-    assert set(runs) == {"data-synthetic", "data-cpu", "data-gpu", "data-dp"}, list(runs)
+    assert set(runs) == {"data-synthetic", "data-cpu", "data-gpu", "data-dp", "data-fsdp"}, list(runs)
     assert runs["data-gpu"].data.decode == "gpu" and runs["data-cpu"].data.decode == "cpu"
     assert runs["data-gpu"].data.source == runs["data-cpu"].data.source == "imagefolder"
     assert runs["data-dp"].train.strategy == "dp" and runs["data-synthetic"].train.strategy == "ddp"
-    ddp, dp = runs["data-synthetic"].model_dump(), runs["data-dp"].model_dump()
-    for section in ("train", "run"):
-        ddp[section].pop("strategy" if section == "train" else "name")
-        dp[section].pop("strategy" if section == "train" else "name")
-    assert ddp == dp  # only the wrapper differs
+    assert runs["data-fsdp"].train.strategy == "fsdp" and runs["data-fsdp"].fsdp.units == ("Bottleneck",)
+    dumped = {name: runs[f"data-{name}"].model_dump() for name in ("synthetic", "dp", "fsdp")}
+    for d in dumped.values():
+        d["train"].pop("strategy")
+        d["run"].pop("name")
+        d.pop("fsdp")
+    assert dumped["synthetic"] == dumped["dp"] == dumped["fsdp"]  # only the wrapper differs
 
 
 def test_gpu_run_dry_run_skips_what_the_budget_cannot_hold(tmp_path):
@@ -560,15 +562,23 @@ def test_gpu_summary_divides_each_run_by_the_synthetic_ddp_run(tmp_path):
 
     from job.bench.decode import summarise_gpu
 
-    logged = {"synthetic": [1.0, 4000, 4100, 3900], "gpu": [1.0, 3900, 3800, 3850], "dp": [2.0, 2000, 2100, 2050]}
+    logged = {
+        "synthetic": [1.0, 4000, 4100, 3900],
+        "gpu": [1.0, 3900, 3800, 3850],
+        "dp": [2.0, 2000, 2100, 2050],
+        "fsdp": [1.0, 3000, 3200, 3100],
+    }
     for name, values in logged.items():
         with SummaryWriter(str(tmp_path / f"data-{name}" / "tb")) as w:
             for step, v in enumerate(values, start=1):
                 w.add_scalar("perf/samples_per_s", v, step * 5)
+                w.add_scalar("perf/peak_memory_mb", 1000 * step + len(name), step * 5)
     (tmp_path / "data-cpu" / "tb").mkdir(parents=True)  # started, died before logging
     out = summarise_gpu(tmp_path, 5)
-    assert out["img_s"] == {"synthetic": 4000, "gpu": 3850, "dp": 2050, "cpu": None}
+    assert out["img_s"] == {"synthetic": 4000, "gpu": 3850, "dp": 2050, "cpu": None, "fsdp": 3100}
     assert close(out["gpu_over_synthetic"], 3850 / 4000) and close(out["dp_over_ddp"], 2050 / 4000)
+    assert close(out["fsdp_over_ddp"], 3100 / 4000) and close(out["fsdp_step_time_over_ddp"], 4000 / 3100)
+    assert out["peak_memory_mb"] == {"synthetic": 4009, "gpu": 4003, "dp": 4002, "cpu": None, "fsdp": 4004}
     assert "cpu_over_synthetic" not in out and out["goal_gpu_ge_0_95"] is True
 
 

@@ -414,8 +414,17 @@ def _manifest(argv: list[str], world_size: int, micro: int = 4, mbie: int = 2) -
 
 def test_resume_with_changed_config_is_refused_naming_the_setting_and_the_flag() -> None:
     saved = _manifest(["--optim.lr", "0.1"], 2)
-    cfg = load_config(["--optim.lr", "0.2", "--train.steps", "50", "--run.name", "other"], {})
-    assert config_differences(saved["config"], cfg) == ["optim.lr: checkpoint 0.1 -> now 0.2"]  # steps/name may change
+    how = [
+        "--train.activation-checkpointing",
+        "true",
+        "--model.compile",
+        "true",
+        "--model.compile-mode",
+        "max-autotune",
+    ]
+    cfg = load_config(["--optim.lr", "0.2", "--train.steps", "50", "--run.name", "other", *how], {})
+    # steps, name, and how the same forward runs may change
+    assert config_differences(saved["config"], cfg) == ["optim.lr: checkpoint 0.1 -> now 0.2"]
     with pytest.raises(
         BadInput, match=r"optim\.lr: checkpoint 0\.1 -> now 0\.2(.|\n)*--ckpt\.allow-config-change true"
     ):

@@ -495,6 +495,8 @@ BAD_INPUTS = [
     ("sync-bn-on-cpu", ["--model.sync-bn", "true"], {}, None, "model.sync_bn"),
     ("fp16-on-cpu", ["--train.precision", "fp16"], {}, None, "train.precision"),
     ("nccl-on-cpu", ["--dist.backend", "nccl"], {}, None, "dist.backend"),
+    # the image task names no units: nothing to checkpoint
+    ("checkpointing-without-units", ["--train.activation-checkpointing", "true"], {}, None, "fsdp.units"),
     ("config-missing", ["--config", "/nonexistent/x.yaml"], {}, None, "--config"),
     (
         "config-bad-section",

@@ -7,6 +7,7 @@ Real torchrun runs on gloo of the causal language model, its training items coun
   one      resumed from fsdp's step 2 at 1 process, ends at step 6 (its step 4 is saved)
   four     resumed from one's step 4 at 4 processes: the 2 -> 1 -> 4 chain
   again    resumed from four's step 5 at 4 processes (bitwise)
+  compiled resumed from fsdp's step 2 at 2 processes with model.compile and activation checkpointing
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     logs["four"] = run(4, train_args(out, corpus, "four", *resize), out)
     resume_from(out / "four", 5, out / "again")
     logs["again"] = run(4, train_args(out, corpus, "again", *fsdp), out)
+    resume_from(out / "fsdp", 2, out / "compiled")
+    compiled = [*fsdp, "--model.compile", "true", "--train.activation-checkpointing", "true"]
+    logs["compiled"] = run(2, train_args(out, corpus, "compiled", *compiled), out)
     return {"out": out, "corpus": corpus, "logs": logs}
 
 
@@ -217,6 +221,23 @@ def test_resume_two_to_one_to_four_sees_every_sample_as_often(runs: dict[str, An
     print(f"max |param diff| 2->1->4 vs uninterrupted: {diff:.3g}")
     assert diff <= 1e-5
     assert "world size changed" in runs["logs"]["four"]
+
+
+@pytest.mark.integration
+def test_compiled_and_checkpointed_units_train_what_eager_fsdp_does(runs: dict[str, Any], tmp_path: Path) -> None:
+    """Steps 3-6 with each unit compiled and its activations recomputed, resumed from a checkpoint saved
+    without either: the same keys, and the uninterrupted eager run's parameters and EMA within fp32 tolerance."""
+    out = runs["out"]
+    log = runs["logs"]["compiled"]
+    assert "resumed from" in log
+    assert "compiled 2 units" in log and "checkpointing the activations of 2 units" in log
+    assert newest(out / "compiled").name == f"step-{STEPS:07d}"
+    want, got = shards(newest(out / "fsdp"), tmp_path), shards(newest(out / "compiled"), tmp_path)
+    assert want["model"].keys() == got["model"].keys() and want["optimizer"].keys() == got["optimizer"].keys()
+    diff, ema_diff = max_diff(want["model"], got["model"]), max_diff(want["ema"]["module"], got["ema"]["module"])
+    print(f"\nmax |param diff| compiled + activation checkpointing vs eager fsdp: {diff:.3g} (EMA {ema_diff:.3g})")
+    assert diff <= 1e-5 and ema_diff <= 1e-5
+    assert load_final_state(out / "compiled")["trainer"]["nonfinite_skips"] == 1
 
 
 @pytest.mark.integration

@@ -14,8 +14,9 @@
 #    ms per batch; nvJPEG vs libjpeg-turbo pixels                                                    (<= 40 s)
 # 4. overhead: ddp-job's loop vs the bare DDP step alternating in one process (bench paired), then ddp-job
 #    train vs a bare DDP loop (vs Lightning if installed), 1 GPU, ResNet-50 bf16 CL            (<= 50 s + 80 s)
-# 5. strategy: the trainer on synthetic data with train.strategy=dp (nn.DataParallel) against step 2's DDP
-#    run of the same settings                                                                       (<= 50 s)
+# 5. strategy: the trainer on synthetic data with train.strategy=dp (nn.DataParallel), then fsdp (one unit
+#    per Bottleneck block), against step 2's DDP run of the same settings: img/s, step time and peak
+#    memory (max_memory_allocated) each                                                         (<= 50 s + 50 s)
 # Steps 1, 2, 4 and 5 hold the figures asked for; crops (3) runs last, so a tight budget drops it first.
 # Every command runs under a timeout cut to what is left of BUDGET_S, and is skipped when less than MIN_S is
 # left, so the script ends within BUDGET_S + KILL_S (+ its last lines) whatever hangs. GPU_RUN_BUDGET_S overrides
@@ -123,8 +124,9 @@ if run make_data 50 "$PY" -m job make-data --out "$SCRATCH/data" --classes 10 --
   train cpu 50 --data.path "$SCRATCH/data" --data.decode cpu
   train gpu 50 --data.path "$SCRATCH/data" --data.decode gpu
 fi
-# strategy: nn.DataParallel against the DDP of the synthetic run above, the same settings otherwise
+# strategy: nn.DataParallel, then FSDP, against the DDP of the synthetic run above, the same settings otherwise
 train dp 50 --data.source synthetic --train.strategy dp
+train fsdp 50 --data.source synthetic --train.strategy fsdp --fsdp.units '[Bottleneck]'
 bench decode 20 "$SCRATCH/runs" 10
 bench paired 50 --nprocs 1 --reps 1 --pairs 60 --warmup 10 --model resnet50 --image-size 224 --batch 256 \
   --precision bf16 --channels-last --bare-bucket-view

@@ -81,9 +81,14 @@ def report(result: dict, size: int, crop: int, batch: int, workers: int, device:
     common.table(title, ["path", "median [min-max]"], rows)
 
 
-GPU_RUNS = ("synthetic", "cpu", "gpu", "dp")  # run names data-<name> in tools/gpu_run.sh; dp: train.strategy=dp
+GPU_RUNS = ("synthetic", "cpu", "gpu", "dp", "fsdp")  # run names data-<name> in tools/gpu_run.sh; dp, fsdp: strategy
 GPU_GOAL = 0.95  # decoded-JPEG throughput / synthetic throughput with data.decode=gpu
-GPU_RATIOS = {"cpu": "cpu_over_synthetic", "gpu": "gpu_over_synthetic", "dp": "dp_over_ddp"}  # each / synthetic
+GPU_RATIOS = {  # each img/s / the synthetic (DDP) run's
+    "cpu": "cpu_over_synthetic",
+    "gpu": "gpu_over_synthetic",
+    "dp": "dp_over_ddp",
+    "fsdp": "fsdp_over_ddp",
+}
 
 
 def run_rate(runs: Path, name: str, warmup_steps: int) -> float | None:
@@ -103,16 +108,30 @@ def run_rate(runs: Path, name: str, warmup_steps: int) -> float | None:
     return statistics.median(values)
 
 
+def run_peak_memory_mb(runs: Path, name: str) -> float | None:
+    """The largest ``perf/peak_memory_mb`` run ``data-<name>`` logged (rank 0's allocator peak on CUDA); None
+    where it logged none."""
+    if not (runs / f"data-{name}").is_dir():
+        return None
+    try:
+        logged = common.scalars(runs / f"data-{name}", "perf/peak_memory_mb")
+    except RuntimeError:
+        return None
+    return max((v for _, v, _ in logged), default=None)
+
+
 def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
     """tools/gpu_run.sh's comparison of the trainer's runs: each one's img/s over the synthetic-data (DDP) run's,
-    for those that ran."""
+    for those that ran, each one's peak memory, and FSDP's step time over DDP's."""
     rate = {name: run_rate(runs, name, warmup_steps) for name in GPU_RUNS}
-    out: dict[str, Any] = {"img_s": rate}
+    out: dict[str, Any] = {"img_s": rate, "peak_memory_mb": {name: run_peak_memory_mb(runs, name) for name in GPU_RUNS}}
     base = rate["synthetic"]
     for name, key in GPU_RATIOS.items():
         value = rate[name]
         if base and value is not None:
             out[key] = value / base
+    if base and rate["fsdp"]:  # the same batch: step time is the inverse of img/s
+        out["fsdp_step_time_over_ddp"] = base / rate["fsdp"]
     if "gpu_over_synthetic" in out:
         out["goal_gpu_ge_0_95"] = out["gpu_over_synthetic"] >= GPU_GOAL
     common.emit("decode_gpu", out)
@@ -121,10 +140,11 @@ def summarise_gpu(runs: Path, warmup_steps: int) -> dict:
 
 def main(argv: list[str]) -> int:
     """``python -m job.bench.decode RUNS WARMUP [NAME]``: one run's img/s as soon as it has run (NAME), or the
-    comparison of the three (a JSON line each)."""
+    comparison of them all (a JSON line each)."""
     runs, warmup = Path(argv[0]), int(argv[1])
     if len(argv) > 2:
-        common.emit_point("decode_gpu", {"run": argv[2], "img_s": run_rate(runs, argv[2], warmup)})
+        point = {"run": argv[2], "img_s": run_rate(runs, argv[2], warmup)}
+        common.emit_point("decode_gpu", {**point, "peak_memory_mb": run_peak_memory_mb(runs, argv[2])})
         return 0
     summarise_gpu(runs, warmup)
     return 0

@@ -43,6 +43,8 @@ MAY_CHANGE = (
     "model.weights",  # initial weights only: a resumed run restores its own checkpoint and never reads them
     "train.strategy",  # one checkpoint format for ddp and fsdp (job.checkpoint.sharded): same math, other sums
     "fsdp.",
+    "train.activation_checkpointing",  # recomputes the same forward: same math, the same state-dict keys
+    "model.compile",  # and model.compile_mode: the same graph run by other kernels, the same state-dict keys
 )
 
 

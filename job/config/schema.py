@@ -292,6 +292,11 @@ class TrainConfig(BaseModel):
     """ddp: DistributedDataParallel (one process per GPU); fsdp: parameters, gradients and optimizer state sharded
     over the ranks (FSDP2 fully_shard, the fsdp section; docs/sharding.md); dp: single-process nn.DataParallel over
     the visible GPUs, a baseline for comparison only (refused on CPU and with more than one process)."""
+    activation_checkpointing: bool = False
+    """Recompute each unit's activations in backward instead of keeping them (torch's non-reentrant
+    checkpoint), under ddp and fsdp: activation memory of about one unit's inputs per unit, for one more
+    forward of every unit per micro-batch. The units are fsdp.units, else the task's shard_units(model);
+    with neither it is refused (docs/sharding.md)."""
     tf32: bool = False
     """Allow TF32 for fp32 matmuls and convolutions on CUDA (faster, ~10-bit mantissa); false = full fp32."""
     eval_every: int = Field(0, ge=0)

@@ -69,9 +69,57 @@ def unit_modules(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.Module]
 
 
 def check_units(model: nn.Module, cfg: JobConfig, task: Any) -> None:
-    """Preflight, on the model it built: the configured units exist (exit 2 otherwise)."""
+    """Preflight, on the model it built: the configured units exist, and activation checkpointing has units to
+    checkpoint (exit 2 otherwise)."""
     if cfg.train.strategy == "fsdp":
         unit_modules(model, cfg, task)
+    if cfg.train.activation_checkpointing:
+        checkpointed_units(model, cfg, task)
+
+
+def checkpointed_units(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.Module]:
+    """The units whose activations ``train.activation_checkpointing`` recomputes: the same modules fsdp shards.
+
+    Raises:
+        BadInput: under ``train.strategy: dp`` (a baseline only), or when there are no units: checkpointing the
+            whole model would recompute everything and save nothing.
+    """
+    if cfg.train.strategy == "dp":
+        raise BadInput(
+            "train.activation_checkpointing=true with train.strategy='dp': it applies under ddp and fsdp only "
+            "(dp is a baseline for comparison).",
+            "--train.strategy ddp, or --train.activation-checkpointing false.",
+            setting="train.activation_checkpointing",
+            value=True,
+        )
+    units = unit_modules(model, cfg, task)
+    if not units:
+        raise BadInput(
+            "train.activation_checkpointing=true, but the model has no units to checkpoint: fsdp.units is empty "
+            "and the task has no shard_units(model).",
+            "name the model's repeated blocks, e.g. --fsdp.units '[Block]' (they are checkpointed under ddp too), "
+            "or --train.activation-checkpointing false.",
+            setting="train.activation_checkpointing",
+            value=True,
+        )
+    return units
+
+
+def checkpoint_activations(model: nn.Module, cfg: JobConfig, task: Any) -> int:
+    """Checkpoint each unit's activations, in place, before sharding or wrapping (torchtitan's order); how many
+    units.
+
+    torch's composable, non-reentrant checkpoint works through forward hooks: module names and state-dict keys
+    stay as they are, so a checkpoint saved with it resumes without it and back, and export needs nothing.
+    Under fsdp the recomputation needs no gather of its own: FSDP's pre-backward hook has gathered the unit
+    before it runs (FSDP2 skips its pre-forward gather in that state).
+    """
+    from torch.distributed._composable import checkpoint
+
+    units = checkpointed_units(model, cfg, task)
+    for unit in units:
+        checkpoint(unit)
+    return len(units)
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -98,6 +146,20 @@ def shard(model: nn.Module, cfg: JobConfig, task: Any, device: torch.device, wor
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def compile_units(model: nn.Module, cfg: JobConfig, task: Any) -> int:
+    """Compile each unit's ``forward`` in place (torchtitan's per-block compile); how many (0: no units).
+
+    Why per unit: a compiled whole step traces into the units' hooks. FSDP's hooks break the graph around every
+    gather, and activation checkpointing's recomputation would run eagerly what was compiled, so its saved
+    tensors would not match (torch refuses). Compiling ``forward`` alone leaves every hook eager around it: FSDP
+    gathers, the checkpoint recomputes the same compiled graph, and names and state-dict keys stay unchanged.
+    """
+    units = unit_modules(model, cfg, task)
+    for unit in units:
+        unit.forward = torch.compile(unit.forward, mode=cfg.model.compile_mode)
+    return len(units)
 
 
 def remap_groups(groups: list[dict[str, Any]] | None, names: dict[int, str], model: nn.Module) -> Any:

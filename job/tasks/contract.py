@@ -18,7 +18,7 @@ A task is any object with these members (docs/tasks.md is the user's page):
 ``frozen_modules(model) -> [module]``  optional: modules kept in eval mode while training (frozen BatchNorm)
 ``transfer(batch, device) -> batch``   optional: the batch on the device; default: every tensor copied there
 ``describe_data() -> str``             optional: one line on the data, for the doctor
-``shard_units(model) -> [modules]``    optional: the units FSDP shards under train.strategy=fsdp
+``shard_units(model) -> [modules]``    optional: the units FSDP shards (and activation checkpointing recomputes)
 =====================================  =================================================================
 
 The job owns everything else: the sampler (the only source of item order), the seeding of the item-reading

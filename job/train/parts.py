@@ -41,8 +41,9 @@ class Parts:
     """The DDP (or DataParallel) wrapper of the task's ``TrainingStep`` around ``raw_model``: gradient
     all-reduce, ``no_sync()``."""
     train_model: nn.Module
-    """What the step calls with a batch: ``model``, compiled when ``model.compile`` is set; it returns the
-    checked output of the task's ``loss(raw_model, batch)``."""
+    """What the step calls with a batch: ``model``, compiled whole when ``model.compile`` is set (under fsdp or
+    with activation checkpointing the units are compiled instead); it returns the checked output of the task's
+    ``loss(raw_model, batch)``."""
     optimizer: Optimizer
     scheduler: LRScheduler
     scaler: torch.amp.GradScaler
@@ -86,18 +87,19 @@ def build_parts(
     groups = checked.param_groups
     if cfg.train.strategy == "fsdp":
         names = {id(p): n for n, p in raw_model.named_parameters()}
-        raw_model, ema = _sharded(cfg, env, task, checked, device)
+        raw_model, ema, units_compiled = _sharded(cfg, env, task, checked, device)
         groups = fsdp.remap_groups(groups, names, raw_model)
         # The step module only hands loss the user's module, as everywhere else.
         model: nn.Module = TrainingStep(raw_model, task)
     else:
         raw_model = raw_model.to(device)
         ema = build_ema(raw_model, cfg.ema)
+        units_compiled = _prepare_units(raw_model, cfg, task)
         settle = _loss_probe(transfer(task, checked.batch, device))
         # The wrapper wraps the task's step, not the model: loss gets the user's own module, as everywhere else.
         model = ddp.wrap_model(TrainingStep(raw_model, task), cfg, rt, settle)  # DDP, or the dp baseline
     train_model = model
-    if cfg.model.compile:
+    if cfg.model.compile and not units_compiled:
         train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
     optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device, groups)
     if not cfg.optim.zero:  # a sharded load, under either strategy, needs the state's shape (job.parallel.fsdp)
@@ -122,9 +124,10 @@ def build_parts(
 
 def _sharded(
     cfg: JobConfig, env: DistEnv, task: Bound, checked: Checked, device: torch.device
-) -> tuple[nn.Module, Ema | None]:
+) -> tuple[nn.Module, Ema | None, bool]:
     """Preflight's model sharded in place (its hooks gather and reduce-scatter; its parameters become DTensors of
-    this rank's chunks), and the EMA sharded the same way (FSDP modules cannot be copied, so it is copied first).
+    this rank's chunks), and the EMA sharded the same way (FSDP modules cannot be copied, so it is copied first);
+    the model's units checkpointed and compiled between the two (``_prepare_units``, whose answer is returned).
 
     A meta model (``checked.replay``) is sharded on meta, then only this rank's chunks are allocated on
     ``device`` and filled with the CPU build's values, one tensor at a time: no rank holds the whole model. The
@@ -136,6 +139,7 @@ def _sharded(
     ema = build_ema(raw_model, cfg.ema)
     if ema is not None:
         fsdp.shard(ema.module, cfg, task, device, env.world_size)
+    units_compiled = _prepare_units(raw_model, cfg, task)
     raw_model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
     if replay is not None:
         replay.materialise(raw_model, device)
@@ -148,7 +152,23 @@ def _sharded(
             mine = sum(fsdp.local(p).numel() * p.element_size() for p in params)
             whole = sum(p.numel() * p.element_size() for p in params)
             log.info("fsdp: model built on the meta device; rank 0 holds %d of its %d parameter bytes", mine, whole)
-    return raw_model, ema
+    return raw_model, ema, units_compiled
+
+
+def _prepare_units(model: nn.Module, cfg: JobConfig, task: Bound) -> bool:
+    """Activation checkpointing, then compile, of each unit: after the EMA's copy (evaluated without gradients,
+    it recomputes nothing), before sharding or wrapping (torchtitan's order). Under fsdp or with activation
+    checkpointing ``model.compile`` compiles the units (job.parallel.fsdp.compile_units); True when it did, else
+    the whole step is compiled."""
+    if cfg.train.activation_checkpointing:
+        count = fsdp.checkpoint_activations(model, cfg, task)
+        log.info("train.activation_checkpointing: checkpointing the activations of %d units", count)
+    if not cfg.model.compile or (cfg.train.strategy != "fsdp" and not cfg.train.activation_checkpointing):
+        return False
+    count = fsdp.compile_units(model, cfg, task)
+    if count:
+        log.info("model.compile: compiled %d units (the rest of the step runs eagerly)", count)
+    return count > 0
 
 
 def _loaders(cfg: JobConfig, env: DistEnv, plan: Plan, device: torch.device, task: Bound, checked: Checked) -> Loaders:
