@@ -50,6 +50,9 @@ class Checked:
     """The preflight batch (CPU): DDP's start-up passes run the task's loss on it (job.parallel.ddp)."""
     param_groups: list[dict[str, Any]] | None = None
     """The task's parameter groups of ``model`` (``lr_scale`` kept for the optimizer), None for the job's own."""
+    saved_bytes_per_item: float = 0.0
+    """Bytes autograd saved for backward in the loss check's forward, per item of the preflight batch: the
+    activations the memory estimate scales to a micro-batch (job.parallel.memory)."""
 
 
 def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool, load_weights: bool = True) -> Checked:
@@ -73,28 +76,29 @@ def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool
         datasets = {split: check_dataset(task.dataset(split), split, task.error) for split in SPLITS}
         n = len(datasets["train"])
         require_one_batch(n, "task.name", task.name, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
-    batch = _probe_batch(task, cfg, datasets)
+    batch, items = _probe_batch(task, cfg, datasets)
     if datasets:
         _check_spread(task, cfg, datasets, plan.micro_batch_size)
     with _unchanged(model):
         if task.has("check_built"):
             own.check_built(model)
-        _check_loss(task, model, batch)
+        saved = _check_loss(task, model, batch)
         names = _check_metrics(task, model, batch)
     groups = _param_groups(task, model)
-    return Checked(model, names, datasets, _describe(task, datasets), batch, groups)
+    return Checked(model, names, datasets, _describe(task, datasets), batch, groups, saved / max(items, 1))
 
 
-def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> Any:
-    """One collated batch of the first training items (or the task's ``example_batch``), on the CPU."""
+def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> tuple[Any, int]:
+    """One collated batch of the first training items (or the task's ``example_batch``), on the CPU, and its
+    number of items."""
     cpu = torch.device("cpu")
     if task.has("example_batch"):
-        batch = task.task.example_batch(PROBE_ITEMS)
+        batch, n = task.task.example_batch(PROBE_ITEMS), PROBE_ITEMS
     else:
         train = SeededItems(datasets["train"], "train", cfg.run.seed, task.error)
         items = [train[(0, i)] for i in range(min(PROBE_ITEMS, len(train)))]
-        batch = Collate(task.collate, task.error)(items)
-    return transfer(task, batch, cpu)
+        batch, n = Collate(task.collate, task.error)(items), len(items)
+    return transfer(task, batch, cpu), n
 
 
 def _check_spread(task: Bound, cfg: JobConfig, datasets: dict[str, Any], micro_batch_size: int) -> None:
@@ -116,9 +120,34 @@ def transfer(task: Bound, batch: Any, device: torch.device) -> Any:
     return task.transfer(batch, device)
 
 
-def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:
+class SavedBytes:
+    """Counts the bytes of the tensors autograd saves for backward (``saved_tensors_hooks``), each storage once and
+    the model's own parameters (and views of them) not at all: the activations a backward would need."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type != "meta"}
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.skip and key not in self.seen:
+            self.seen.add(key)
+            self.total += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _check_loss(task: Bound, model: nn.Module, batch: Any) -> int:
+    """The loss on the preflight batch is a finite scalar; returns the bytes its forward saved for backward (with
+    gradients on, no backward run: the graph is dropped here)."""
     model.train()
-    with torch.no_grad():
+    saved = SavedBytes(model)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         try:
             loss, _, _ = task.loss(model, batch)
         except Exception as e:
@@ -135,6 +164,7 @@ def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:
             "before any update.",
             "return a finite loss for the untrained model (check the targets' range and any log/division).",
         )
+    return saved.total
 
 
 def _check_metrics(task: Bound, model: nn.Module, batch: Any) -> tuple[str, ...]:
