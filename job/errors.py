@@ -91,6 +91,16 @@ class BadShard(BadInput):
     or a label outside ``[0, data.num_classes)``. Exits 2 like any bad input."""
 
 
+class DoesNotFit(BadInput):
+    """The estimated memory per device (job.parallel.memory) exceeds what the device has, where another
+    ``train.strategy`` would fit: ``need_bytes`` and ``capacity_bytes`` say by how much. Exits 2."""
+
+    def __init__(self, what: str, fix: str = "", *, need_bytes: int, capacity_bytes: int, **kwargs: Any) -> None:
+        super().__init__(what, fix, **kwargs)
+        self.need_bytes = need_bytes
+        self.capacity_bytes = capacity_bytes
+
+
 class UserCodeError(BadInput):
     """User code named in the config (``model.name`` or ``data.source`` as ``package.module:callable``) cannot be
     imported or called, or what it returned breaks the contract of docs/user-code.md. Found in preflight, on the

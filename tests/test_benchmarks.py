@@ -294,6 +294,18 @@ def test_rollback_quick_counts_five_passes_and_one_copy(tmp_path):
         assert r["copy_bytes"] == r["tracked_bytes"] and r["update_bytes"] > r["tracked_bytes"]
 
 
+def test_memory_quick_fsdp_holds_half_of_ddp_as_estimated(tmp_path):
+    """At 2 processes each fsdp rank holds about half of ddp's state (padded chunks), within the goal of 1.1 x
+    ddp / 2 + one gathered unit; both match job.parallel.memory's estimate (AdamW's 0-d step counts aside)."""
+    out = bench(tmp_path, "memory")
+    ddp, fsdp = out["points"]["ddp-2"], out["points"]["fsdp-2"]
+    for p in (ddp, fsdp):
+        assert p["estimate_state_bytes"] <= p["state_bytes"] <= p["estimate_state_bytes"] * 1.01 + 4096, p
+    assert fsdp["goal_met"] and fsdp["state_bytes"] <= fsdp["goal_bound_bytes"], fsdp
+    assert 0.49 <= fsdp["state_bytes"] / ddp["state_bytes"] <= 0.55, (fsdp, ddp)
+    assert out["step_ratio_fsdp_over_ddp"]["2"]["n"] == 1
+
+
 GPU_RUN = ROOT / "tools" / "gpu_run.sh"
 
 

@@ -220,8 +220,12 @@ def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
         "communication.bandwidth",
         "topology.peer_access",
         "topology.numa",
+        "memory",
     ):
         assert status[name] == "PASS", (name, r.stdout)
+    mem = next(c for c in report["checks"] if c["name"] == "memory")["data"]  # job.parallel.memory's estimates
+    assert mem["fsdp"]["world_size"] == 2 and mem["fsdp"]["optimizer"] < mem["ddp"]["optimizer"]
+    assert mem["ddp"]["activations"] > 0 and mem["capacity_bytes"] > 0
     assert re.search(r"^PASS topology\.numa +skipped: no GPU \[all ranks\]$", r.stdout, re.M), r.stdout
     bw = next(c for c in report["checks"] if c["name"] == "communication.bandwidth")["data"]
     assert [row["size_bytes"] for row in bw["rows"]] == [4096, 65536, 1048576]

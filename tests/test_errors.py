@@ -27,6 +27,7 @@ from job.errors import (
     CollectiveTimeout,
     DataStall,
     DoctorFailed,
+    DoesNotFit,
     JobError,
     NonFiniteError,
     NonFiniteStateError,
@@ -57,6 +58,17 @@ CASES = [
     ),
     (UserCodeError("model.name='pkg.mod:net': no module pkg.", "install it.", setting="model.name"), EXIT_BAD_INPUT),
     (WeightsError("model.weights=w.pt: no such file.", "pass a state dict.", setting="model.weights"), EXIT_BAD_INPUT),
+    (
+        DoesNotFit(
+            "train.strategy='ddp' needs about 9 MiB per device.",
+            "--train.strategy fsdp.",
+            setting="train.strategy",
+            value="ddp",
+            need_bytes=9 << 20,
+            capacity_bytes=8 << 20,
+        ),
+        EXIT_BAD_INPUT,
+    ),
 ]
 IDS = [type(err).__name__ for err, _ in CASES]
 # What each of CASES prints: the message, then " Fix: " and the fix when there is one.
@@ -73,6 +85,7 @@ TEXT = {
     "BadShard": "shard d/train-000003.tar: not a tar file. Fix: re-create it.",
     "UserCodeError": "model.name='pkg.mod:net': no module pkg. Fix: install it.",
     "WeightsError": "model.weights=w.pt: no such file. Fix: pass a state dict.",
+    "DoesNotFit": "train.strategy='ddp' needs about 9 MiB per device. Fix: --train.strategy fsdp.",
 }
 
 

@@ -127,7 +127,7 @@ def test_ema_exports_from_either_layout(
 def test_a_fine_tuning_run_starts_from_the_exported_weights(runs: dict[str, Any]) -> None:
     tuned = runs["out"] / "tuned"
     exported = load_file(runs["exported"])
-    first = torch.load(tuned / "step-0000001" / "state.pt", map_location="cpu", weights_only=True)
+    first = store.read_checkpoint(tuned / "step-0000001")
     assert first["trainer"]["nonfinite_skips"] == 1  # step 1 did not move the weights
     assert_bitwise_equal(first["model"], exported, "the weights the fine-tuning run started from")
     assert max_diff(load_final_state(tuned)["model"], exported) > 1e-4  # then it trained

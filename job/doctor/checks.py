@@ -14,7 +14,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from job.checkpoint import store as ckpt
 from job.cluster.env import DistEnv
 from job.config import DataConfig, JobConfig
 from job.errors import BadInput
+from job.parallel import memory
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
@@ -326,3 +327,26 @@ def check_data(cfg: JobConfig, describe_data: Callable[[DataConfig], str]) -> Ch
     except BadInput as e:
         return Check("storage.data", FAIL, e.what, e.fix or "fix data.path / data.num_classes")
     return Check("storage.data", PASS, text)
+
+
+def check_memory(strategy: str, ddp: memory.MemoryEstimate, fsdp: memory.MemoryEstimate, capacity: int) -> Check:
+    """The estimated bytes per device (job.parallel.memory) of the chosen strategy against ``capacity``, the other
+    strategy beside it. A ddp run that cannot fit where fsdp would is a FAIL naming ``--train.strategy fsdp``."""
+    mib = 2**20
+    chosen = fsdp if strategy == "fsdp" else ddp
+    text = (
+        f"train.strategy={strategy}: about {chosen.total / mib:.0f} MiB per device of {capacity / mib:.0f} MiB "
+        f"(ddp {ddp.total / mib:.0f} MiB, fsdp over {fsdp.world_size} {fsdp.total / mib:.0f} MiB; activations "
+        f"{chosen.activations / mib:.0f} MiB from the preflight batch)"
+    )
+    data = {"ddp": asdict(ddp), "fsdp": asdict(fsdp), "capacity_bytes": capacity, "table": ddp.table(fsdp)}
+    found = memory.verdict(strategy, ddp, fsdp, capacity)
+    if found == memory.USE_FSDP:
+        return Check("memory", FAIL, text + ": ddp does not fit", "--train.strategy fsdp (docs/sharding.md)", data)
+    if found == memory.NONE_FITS:
+        fix = (
+            "more processes under --train.strategy fsdp, a smaller train.micro_batch_size (gradient accumulation), "
+            "or train.precision bf16"
+        )
+        return Check("memory", WARN, text + ": may run out of memory", fix, data)
+    return Check("memory", PASS, text, data=data)

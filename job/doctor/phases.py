@@ -40,6 +40,8 @@ from job.doctor.gpu_topology import gpu_topology_checks
 from job.doctor.report import exit_code, merge, print_checks, summary, write_report
 from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, BadInput, DoctorFailed, JobError
 from job.parallel import distributed
+from job.parallel import memory as pmemory
+from job.parallel.memory import MemoryEstimate
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Probes:
     """The config's model (built on the meta device, or the one preflight built: the checkpoint's size)."""
     describe_data: Callable[[JobConfig], str]
     """The config's data, read as training will read it, in one line; raises BadInput naming what is wrong."""
+    memory: Callable[[JobConfig, int], tuple[MemoryEstimate, MemoryEstimate] | None] | None = None
+    """The (ddp, fsdp) memory estimates per device at a world size (job.parallel.memory), activations measured
+    on the preflight batch; None where the run's strategy has none (dp)."""
 
 
 def topology_check(env: DistEnv) -> Check:
@@ -114,7 +119,24 @@ def local_checks(
         checks += dc.check_run_dir(cfg.run_dir, ckpt_bytes, cfg.ckpt.keep_last, create=full)
     if full and env.local_rank == 0:  # train's own preflight already validates the data
         checks.append(dc.check_data(cfg, lambda _data: probes.describe_data(cfg)))
+    if env.local_rank == 0:  # one process per node: each node's devices alike
+        checks += memory_checks(cfg, env, backend, probes)
     return checks, vers
+
+
+def memory_checks(cfg: JobConfig, env: DistEnv, backend: str, probes: Probes) -> list[Check]:
+    """The memory estimate against this device's capacity (none where the config or the devices fail their own
+    checks, or the strategy has no estimate)."""
+    if probes.memory is None:
+        return []
+    try:
+        estimates = probes.memory(cfg, env.world_size)
+        device = distributed.pick_device(env, backend)
+    except BadInput:  # config.batch, config.model or topology.gpus says what is wrong
+        return []
+    if estimates is None:
+        return []
+    return [dc.check_memory(cfg.train.strategy, *estimates, pmemory.capacity_bytes(device, env.local_world_size))]
 
 
 @dataclass

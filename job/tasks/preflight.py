@@ -61,6 +61,9 @@ class Checked:
     replay: meta_init.Replay | None = None
     """``model`` is on the meta device and this gives each tensor's value as the CPU build makes it; its loss and
     metrics are not checked yet (``check_values``), ``metric_names`` is empty until then."""
+    saved_bytes_per_item: float = 0.0
+    """Bytes autograd saved for backward in the loss check's forward, per item of the preflight batch: the
+    activations the memory estimate scales to a micro-batch (job.parallel.memory)."""
 
 
 def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool, load_weights: bool = True) -> Checked:
@@ -82,7 +85,7 @@ def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool
         datasets = {split: check_dataset(task.dataset(split), split, task.error) for split in SPLITS}
         n = len(datasets["train"])
         require_one_batch(n, "task.name", task.name, env.world_size, plan.micro_batch_size, plan.grad_accum_steps)
-    batch = _probe_batch(task, cfg, datasets)
+    batch, items = _probe_batch(task, cfg, datasets)
     if datasets:
         _check_spread(task, cfg, datasets, plan.micro_batch_size)
     names: tuple[str, ...] = ()
@@ -90,14 +93,15 @@ def check_task(task: Bound, cfg: JobConfig, env: DistEnv, plan: Plan, cuda: bool
         if task.has("check_built"):  # shapes only: a meta forward computes the output's shape, not its values
             with torch.device("meta"):
                 own.check_built(model)
+        saved = _saved_on_meta(task, model, batch)
     else:
         with _unchanged(model):
             if task.has("check_built"):
                 own.check_built(model)
-            _check_loss(task, model, batch)
+            saved = _check_loss(task, model, batch)
             names = _check_metrics(task, model, batch)
     groups = _param_groups(task, model)
-    return Checked(model, names, datasets, _describe(task, datasets), batch, groups, replay)
+    return Checked(model, names, datasets, _describe(task, datasets), batch, groups, replay, saved / max(items, 1))
 
 
 def _build(task: Bound, cfg: JobConfig, env: DistEnv, load_weights: bool) -> tuple[nn.Module, meta_init.Replay | None]:
@@ -126,16 +130,29 @@ def check_values(task: Bound, checked: Checked, model: nn.Module, device: torch.
         checked.metric_names = _check_metrics(task, model, batch)
 
 
-def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> Any:
-    """One collated batch of the first training items (or the task's ``example_batch``), on the CPU."""
+def _saved_on_meta(task: Bound, model: nn.Module, batch: Any) -> int:
+    """The bytes the loss's forward saves for backward, counted on the meta model from shapes alone; 0 where the
+    task's loss reads a value (it cannot on meta): the memory estimate then leaves activations out."""
+    saved = SavedBytes(model)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            task.loss(model, transfer(task, batch, torch.device("meta")))
+    except Exception:  # the loss's values are checked on the materialised model (check_values)
+        return 0
+    return saved.total
+
+
+def _probe_batch(task: Bound, cfg: JobConfig, datasets: dict[str, Any]) -> tuple[Any, int]:
+    """One collated batch of the first training items (or the task's ``example_batch``), on the CPU, and its
+    number of items."""
     cpu = torch.device("cpu")
     if task.has("example_batch"):
-        batch = task.task.example_batch(PROBE_ITEMS)
+        batch, n = task.task.example_batch(PROBE_ITEMS), PROBE_ITEMS
     else:
         train = SeededItems(datasets["train"], "train", cfg.run.seed, task.error)
         items = [train[(0, i)] for i in range(min(PROBE_ITEMS, len(train)))]
-        batch = Collate(task.collate, task.error)(items)
-    return transfer(task, batch, cpu)
+        batch, n = Collate(task.collate, task.error)(items), len(items)
+    return transfer(task, batch, cpu), n
 
 
 def _check_spread(task: Bound, cfg: JobConfig, datasets: dict[str, Any], micro_batch_size: int) -> None:
@@ -157,9 +174,39 @@ def transfer(task: Bound, batch: Any, device: torch.device) -> Any:
     return task.transfer(batch, device)
 
 
-def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:
+def _storage_key(t: torch.Tensor) -> int:
+    """One number per storage, meta ones included (whose data pointers are all 0), while the tensor lives."""
+    return int(t.untyped_storage()._cdata)
+
+
+class SavedBytes:
+    """Counts the bytes of the tensors autograd saves for backward (``saved_tensors_hooks``), each storage once and
+    the model's own parameters (and views of them) not at all: the activations a backward would need."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.skip = {_storage_key(p) for p in model.parameters()}
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = _storage_key(t)
+        if key not in self.skip and key not in self.seen:
+            self.seen.add(key)
+            self.total += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _check_loss(task: Bound, model: nn.Module, batch: Any) -> int:
+    """The loss on the preflight batch is a finite scalar; returns the bytes its forward saved for backward (with
+    gradients on, no backward run: the graph is dropped here)."""
     model.train()
-    with torch.no_grad():
+    saved = SavedBytes(model)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         try:
             loss, _, _ = task.loss(model, batch)
         except Exception as e:
@@ -176,6 +223,7 @@ def _check_loss(task: Bound, model: nn.Module, batch: Any) -> None:
             "before any update.",
             "return a finite loss for the untrained model (check the targets' range and any log/division).",
         )
+    return saved.total
 
 
 def _check_metrics(task: Bound, model: nn.Module, batch: Any) -> tuple[str, ...]:

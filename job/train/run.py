@@ -36,7 +36,7 @@ from job.errors import EXIT_PREEMPTED, BadInput
 from job.observe import metrics, report
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
-from job.parallel import distributed, fsdp
+from job.parallel import distributed, fsdp, memory
 from job.tasks.contract import Bound
 from job.tasks.load import load_task
 from job.tasks.preflight import Checked, check_task
@@ -84,7 +84,39 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
     task = load_task(cfg)
     checked = check_task(task, cfg, env, plan, cuda, load_weights=found is None)
     fsdp.check_units(checked.model, cfg, task)
+    if cfg.doctor.enabled:
+        check_memory(cfg, env, task, checked, cuda)
     return Preflight(plan, task, checked, found)
+
+
+def memory_estimates(
+    cfg: JobConfig, world_size: int, task: Bound, checked: Checked
+) -> tuple[memory.MemoryEstimate, memory.MemoryEstimate] | None:
+    """(ddp, fsdp) bytes per device of the model preflight built, activations scaled from the preflight batch to
+    one micro-batch; None under dp (one process, many GPUs: no per-device arithmetic here)."""
+    if cfg.train.strategy == "dp":
+        return None
+    plan = make_plan(cfg, world_size)
+    try:
+        units = fsdp.unit_modules(checked.model, cfg, task)
+    except BadInput:  # units that do not exist under ddp: fsdp would refuse them (check_units)
+        units = []
+    activations = round(checked.saved_bytes_per_item * plan.micro_batch_size)
+    setup = memory.setup_of(cfg, world_size, plan.grad_accum_steps)
+    return memory.both(checked.model, units, setup, activations)
+
+
+def check_memory(cfg: JobConfig, env: DistEnv, task: Bound, checked: Checked, cuda: bool) -> None:
+    """The doctor's memory verdict, before any process group: a ddp run that cannot fit its device where fsdp
+    would is exit 2 naming train.strategy (job.parallel.memory.require_fits)."""
+    estimates = memory_estimates(cfg, env.world_size, task, checked)
+    if estimates is None:
+        return
+    try:
+        device = distributed.pick_device(env, distributed.pick_backend(cfg.dist, cuda))
+    except BadInput:  # no device for this rank: the doctor's topology check names it
+        return
+    memory.require_fits(cfg.train.strategy, *estimates, memory.capacity_bytes(device, env.local_world_size))
 
 
 def _check_run_dir(cfg: JobConfig) -> None:
@@ -103,20 +135,32 @@ def preflight_probes(pre: Preflight | None = None) -> doctor.Probes:
     """What the doctor checks of this job's model and data, handed to it (the doctor imports neither): what
     ``pre`` computed, else (``ddp-job doctor``) the config's task built on the meta device."""
     if pre is not None:
-        checked = pre.checked
-        return doctor.Probes(build_model=lambda _cfg: checked.model, describe_data=lambda _cfg: checked.data)
-    return doctor.Probes(build_model=_meta_model, describe_data=_describe_data)
+        checked, task = pre.checked, pre.task
+        return doctor.Probes(
+            build_model=lambda _cfg: checked.model,
+            describe_data=lambda _cfg: checked.data,
+            memory=lambda cfg, world_size: memory_estimates(cfg, world_size, task, checked),
+        )
+    once: dict[str, tuple[Bound, Checked]] = {}
+
+    def checked_task(cfg: JobConfig) -> tuple[Bound, Checked]:
+        """The task checked as train's preflight checks it, once for the data and the memory checks."""
+        if not once:
+            task = load_task(cfg)
+            once["task"] = task, check_task(task, cfg, detect_env({}), make_plan(cfg, 1), torch.cuda.is_available())
+        return once["task"]
+
+    return doctor.Probes(
+        build_model=_meta_model,
+        describe_data=lambda cfg: checked_task(cfg)[1].data,
+        memory=lambda cfg, world_size: memory_estimates(cfg, world_size, *checked_task(cfg)),
+    )
 
 
 def _meta_model(cfg: JobConfig) -> Any:
     task = load_task(cfg)
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         return task.build_model()
-
-
-def _describe_data(cfg: JobConfig) -> str:
-    env = detect_env({})
-    return check_task(load_task(cfg), cfg, env, make_plan(cfg, 1), torch.cuda.is_available()).data
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: JobConfig | None = None) -> int:

@@ -1,0 +1,107 @@
+"""One torchrun worker of ``job/bench/memory.py``: ddp-job's real run under one strategy, a few optimizer steps,
+then what this rank holds and the most memory it used.
+
+    python -m job.bench.memory_worker OUT STEPS -- ARGS     (ARGS' train.steps: STEPS + 1 at least)
+
+ARGS are ``ddp-job train`` arguments. The run is built as ``ddp-job train`` builds it (``job.train.run.preflight``,
+``build_run``) and advanced by ``job.train.loop.iteration``. The estimate (job.parallel.memory) is taken from the
+model preflight built, before it is sharded. Written to ``OUT.rankN`` as JSON: each step's wall seconds, the
+state bytes this rank holds after the last step (local storage of parameters, gradients, optimizer state and EMA),
+the peak RSS of the process (``ru_maxrss``) and the RSS before the run was built, and on CUDA
+``max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from job.cluster.env import detect_env
+from job.config import load_config
+from job.observe import metrics
+from job.parallel import distributed, memory
+from job.train import loop
+from job.train import run as job_run
+from job.train.preempt import StopRequest
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (/proc/self/statm)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def steps_of(run: loop.Run, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        if loop.iteration(run):
+            raise SystemExit(f"stop requested ({run.stop.reason()}): benchmark aborted")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def held_before_update(run: loop.Run) -> dict[str, int]:
+    """The state this rank holds at its fullest, as the optimizer step starts (the gradients reduced, not yet
+    freed), measured in one more, untimed step."""
+    parts = run.parts
+    ema = None if parts.ema is None else parts.ema.module
+    held: dict[str, int] = {}
+
+    def measure(*_: object) -> None:
+        held.update(memory.measured_state(parts.raw_model, parts.optimizer, ema))
+
+    handle = parts.optimizer.register_step_pre_hook(measure)
+    try:
+        steps_of(run, 1)
+    finally:
+        handle.remove()
+    return held
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    out, steps = argv[0], int(argv[1])
+    rss_start = rss_bytes()
+    cfg = load_config(argv[split + 1 :], os.environ)
+    env = detect_env(os.environ)
+    metrics.setup_console(env.rank, env.world_size)
+    pre = job_run.preflight(cfg, env)
+    estimates = job_run.memory_estimates(cfg, env.world_size, pre.task, pre.checked)
+    assert estimates is not None  # ddp or fsdp: the benchmark runs no other strategy
+    rt = distributed.setup(env, cfg.dist)
+    try:
+        stop = StopRequest(cfg.run_dir)
+        job_run.start_run_dir(cfg, env, pre.plan, stop, rt)
+        with contextlib.ExitStack() as cleanup:
+            run = job_run.build_run(cfg, env, pre, rt, stop, cleanup)
+            step_s = steps_of(run, steps)
+            held = held_before_update(run)
+        facts = {"rank": env.rank, "world_size": env.world_size, "strategy": cfg.train.strategy, "step_s": step_s}
+        peaks = {"peak_rss_bytes": peak_rss_bytes(), "rss_start_bytes": rss_start, "held": held}
+        if torch.cuda.is_available():
+            peaks["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        ddp, fsdp = estimates
+        with open(f"{out}.rank{env.rank}", "w") as f:
+            json.dump({**facts, **peaks, "estimate": {"ddp": asdict(ddp), "fsdp": asdict(fsdp)}}, f)
+    finally:
+        distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
