@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddp-job export",
         description="Write a checkpoint's model (or its EMA) as one full, unsharded state dict in a safetensors "
         "file, for inference, fine-tuning elsewhere, or model.weights of this job. Either checkpoint layout "
-        "(state.pt, or fsdp's shards/) at any world size.",
+        "(its shards/, or the state.pt of a checkpoint written before them) at any world size.",
     )
     p.add_argument(
         "--checkpoint",

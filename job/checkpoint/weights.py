@@ -3,7 +3,7 @@ task that does not load its weights itself, loaded strictly into the model prefl
 
 What a path may name: a safetensors file (``ddp-job export`` writes one), a ``torch.save`` state dict (also as
 ``{"state_dict": ...}`` or saved from a DDP-wrapped model), or a ddp-job checkpoint: a ``step-N/`` directory (its
-``state.pt`` or its fsdp ``shards/``, read by job.checkpoint.export), its ``state.pt``, or a run directory (its
+``shards/``, read by job.checkpoint.export, or the ``state.pt`` of an older one), its ``state.pt``, or a run directory (its
 newest verified checkpoint).
 
 The image task owns its weights (torchvision names, a head for another number of classes: job.tasks.image.weights)
@@ -40,7 +40,7 @@ def _source(cfg: ModelConfig, path: Path) -> Path:
     """The file, or the checkpoint's step directory, that ``path`` names."""
     if path.is_file():
         if path.name == store.STATE_FILE and (path.parent / SHARDS).is_dir():
-            return path.parent  # an fsdp checkpoint's state.pt: its model is in the shards beside it
+            return path.parent  # a checkpoint's state.pt: its model is in the shards beside it
         return path
     if not path.exists():
         raise error(
