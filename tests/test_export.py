@@ -65,7 +65,7 @@ def files_of(step_dir: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.integration
-def test_a_ddp_checkpoint_exports_state_pts_model_bitwise_and_loads_strictly(
+def test_a_ddp_checkpoint_exports_its_model_bitwise_and_loads_strictly(
     runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir = runs["out"] / "ddp"
