@@ -70,19 +70,78 @@ def test_summarize_names_the_busiest_rank_and_derives_throughput() -> None:
     assert "perf/mfu" not in summarize(rows, 96, 2e9, 0.0)  # no peak known: no MFU, but still TFLOP/s
 
 
+def _progress(prog: Path, rank: int, done: int, grads: int, seq: int, t: float, phase: str = "") -> None:
+    (prog / f"rank-{rank:05d}").write_text(f"done={done} grads={grads} seq={seq} t={t} phase={phase}\n")
+
+
 def test_stall_report_names_the_rank_that_never_reached_the_collective(tmp_path: Path) -> None:
     prog = tmp_path / "progress"
     prog.mkdir()
-    (prog / "rank-00000").write_text("done=7 grads=8 t=100.0\n")
-    (prog / "rank-00001").write_text("done=7 grads=-1 t=90.0\n")
-    (prog / "rank-00002").write_text("done=7 grads=8 t=100.0\n")
+    _progress(prog, 0, 7, 8, 31, 100.0)
+    _progress(prog, 1, 7, -1, 30, 90.0)
+    _progress(prog, 2, 7, 8, 31, 100.0)
     text = stall_report(tmp_path, 4, now=101.0)
     assert text.startswith("stalled: rank(s) [1]")
     assert "rank 1: completed step 7, computing step 8, last progress 11.0 s ago" in text
     assert "no progress file for rank(s) [3]" in text
-    (prog / "rank-00001").write_text("done=7 grads=8 t=100.0\n")
-    (prog / "rank-00003").write_text("done=7 grads=8 t=100.0\n")
+    _progress(prog, 1, 7, 8, 31, 100.0)
+    _progress(prog, 3, 7, 8, 31, 100.0)
     assert stall_report(tmp_path, 4, now=101.0).startswith("all ranks reached the same point")
+
+
+def test_stall_report_names_a_rank_stalled_between_steps_and_where(tmp_path: Path) -> None:
+    """Between steps every rank is at the same step: the count of records tells the one behind, its phase where."""
+    prog = tmp_path / "progress"
+    prog.mkdir()
+    _progress(prog, 0, 60, -1, 250, 10.0, "evaluating after step 60")
+    _progress(prog, 1, 60, -1, 251, 12.0, "evaluated its shard, waiting in the evaluation's all-reduce")
+    text = stall_report(tmp_path, 2, now=300.0)
+    assert text.startswith("stalled: rank(s) [0]"), text
+    assert "rank 0: completed step 60, evaluating after step 60, last progress 290.0 s ago" in text
+    assert "rank 1: completed step 60, evaluated its shard, waiting in the evaluation's all-reduce" in text
+
+
+class _Where:
+    def __init__(self) -> None:
+        self.where = "the boundary after step 60"
+        self.signal_at: float | None = None
+        self.answered = False
+
+
+def _watch_stop(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path, answer: str) -> str:
+    """A watchdog (deadline 0.4 s, unarmed as between steps) given a stop signal; ``answer``: what the loop
+    does then, "" nothing. What it wrote to stderr within 1.5 s."""
+    import time
+
+    from job.observe import watchdog
+
+    monkeypatch.setattr(watchdog, "UNANSWERED_STOP_S", 0.5)
+    where = _Where()
+    dog = watchdog.Watchdog(where, 0.5, tmp_path, 0, 1)
+    try:
+        where.signal_at = time.monotonic()
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            if answer == "moves":
+                where.where = f"step {time.monotonic()}"
+            elif answer == "agrees":
+                where.answered = True
+            time.sleep(0.05)
+    finally:
+        dog.close()
+    return capfd.readouterr().err
+
+
+@pytest.mark.parametrize("answer", ["", "moves", "agrees"])
+def test_a_stop_signal_left_unanswered_writes_the_ranks_stacks(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path, answer: str
+) -> None:
+    err = _watch_stop(monkeypatch, capfd, tmp_path, answer)
+    dumped = "most recent call first" in err
+    assert dumped == (answer == ""), err
+    if dumped:  # every thread: this one (the loop stand-in, asleep in _watch_stop) and the watchdog's own
+        assert re.search(r'test_observe\.py", line \d+ in _watch_stop', err), err
+        assert re.search(r'watchdog\.py", line \d+ in _check_stop_answered', err), err
 
 
 # --- real runs ---------------------------------------------------------------------------------------------
@@ -198,6 +257,48 @@ def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -
     assert line is not None, out[-5000:]
     assert "stalled: rank(s) [1]" in line and "rank 1: completed step 2, computing step 3" in line, line
     assert "rank 0: completed step 2, gradients of step 3 ready, waiting in its all-reduce" in line, line
+
+
+def test_a_rank_stalled_in_evaluation_is_named_and_leaves_its_stacks(tmp_path: Path, data: Path) -> None:
+    """Rank 0 sleeps before its final evaluation's first forward. Rank 1, done with its shard, times out in the
+    evaluation's all-reduce and names rank 0 and where it is; the agent then SIGTERMs rank 0, still asleep, and
+    before the agent's SIGKILL 30 s later rank 0's watchdog writes where it was."""
+    run_dir = tmp_path / "runs" / "evalhang"
+    r = torchrun(
+        2,
+        [
+            "--data.path",
+            str(data),
+            *TINY,
+            "--run.output-dir",
+            str(run_dir.parent),
+            "--run.name",
+            "evalhang",
+            "--train.steps",
+            "2",
+            "--doctor.enabled",
+            "false",
+            "--dist.train-timeout-s",
+            "10",
+            "--debug.straggler-delay-s",
+            "300",
+            "--debug.straggler-rank",
+            "0",
+            "--debug.straggler-in",
+            "eval",
+        ],
+        env=base_env(tmp_path),
+        timeout=600,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    line = next((ln for ln in out.splitlines() if "collective timed out on rank 1" in ln), None)
+    assert line is not None, out[-5000:]
+    assert "stalled: rank(s) [0]" in line and "rank 0: completed step 2, evaluating after step 2," in line, line
+    assert "rank 1: completed step 2, evaluated its shard, waiting in the evaluation's all-reduce" in line, line
+    assert "rank 0: a stop signal landed" in out, out[-5000:]
+    assert re.search(r'job/train/debug\.py", line \d+ in __call__', out), out[-5000:]
+    assert re.search(r'job/train/evaluate\.py", line \d+ in evaluate', out), out[-5000:]
 
 
 def test_metrics_jsonl_holds_one_record_per_log_step(tmp_path: Path, data: Path) -> None:

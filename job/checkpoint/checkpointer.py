@@ -15,6 +15,7 @@ from job.checkpoint.cadence import Auto, Fixed
 from job.checkpoint.resume import SHARDS_HOLD
 from job.checkpoint.states import States
 from job.checkpoint.store import CheckpointManager, Found, load_state
+from job.observe.observer import no_mark
 
 log = logging.getLogger("job")
 
@@ -52,6 +53,9 @@ class Checkpointer:
         self.stalled_s = 0.0
         """Seconds training stood still for this attempt's saves (the waste ``ckpt.every`` trades off)."""
         self._started = time.monotonic()
+        self.mark: Callable[[str], None] = no_mark
+        """Records each save on this rank's progress file (job.observe.observer.Observer.mark): a stall report
+        then tells a rank still saving from one waiting for it."""
 
     def start(self, step: int) -> None:
         """The loop begins after ``step`` (0, or the step restored)."""
@@ -81,6 +85,7 @@ class Checkpointer:
         """Every rank: gather what needs collectives, then rank 0 snapshots and writes (maybe in the background).
         ``stop``: the attempt's stop save (it ends the attempt). Returns the seconds training stood still for it."""
         t0 = time.perf_counter()
+        self.mark(f"saving the checkpoint of step {step}")
         self.saved_step = step
         self.states.gather()
         stop_saves = self._stop_saves + int(stop)

@@ -510,6 +510,9 @@ class DebugConfig(BaseModel):
     """The rank that sleeps (-1: none)."""
     straggler_steps: tuple[int, ...] = ()
     """Delay only these (1-based) steps; empty: every step."""
+    straggler_in: Literal["train", "eval"] = "train"
+    """Where straggler_rank sleeps: before a training step's first forward, or before the first forward of each
+    evaluation (the evaluation after step N counts as step N + 1 for straggler_steps)."""
     ckpt_write_delay_s: float = Field(0.0, ge=0)
     """The checkpoint writer sleeps this long before writing (lands signals during a save)."""
     signal_group_at_worker_start: Literal["", "train", "val"] = ""

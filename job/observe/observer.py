@@ -15,8 +15,10 @@ host's clock would time the queueing of the kernels, not their run. The events a
 publishes, never on the steps in between, so those steps add no host synchronisation.
 
 Each rank also keeps ``run_dir/progress/rank-NNNNN`` current (one ``pwrite``, no rename, per phase): its
-last completed step and whether its gradients for the next step are ready. On a collective timeout
-``explain_timeouts`` reads them all and names the rank(s) that never reached the collective.
+last completed step, whether its gradients for the next step are ready, what it does between steps (an
+evaluation, a save: ``Observer.mark``), and how many of these records it has written. Every rank writes the same
+records in the same order, so on a collective timeout the rank(s) with the fewest are the ones the others wait
+for: ``explain_timeouts`` reads them all and names them, and where they are.
 """
 
 from __future__ import annotations
@@ -122,6 +124,10 @@ def summarize(
     return out
 
 
+def no_mark(phase: str) -> None:
+    """Where there is no progress file to mark (``Observer.mark``): ``ddp-job evaluate``, a test, a tool."""
+
+
 class Observer:
     """One per rank; the training loop calls ``step_done`` after every optimizer step and ``close`` at the end."""
 
@@ -160,6 +166,7 @@ class Observer:
         progress = cfg.run_dir / "progress"
         progress.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(progress / f"rank-{env.rank:05d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._seq = 0
         self._write_progress(start_step, -1)
         first = next(p for p in model.parameters() if p.requires_grad)
         first.register_post_accumulate_grad_hook(self._grads_ready)
@@ -176,9 +183,15 @@ class Observer:
         self._grads_at = self._clock.point()  # each micro-batch's backward: the last one's counts
         self._write_progress(self.next_step - 1, self.next_step)
 
-    def _write_progress(self, done: int, grads: int) -> None:
-        line = f"done={done} grads={grads} t={time.time():.3f}\n".ljust(64)
-        os.pwrite(self._fd, line.encode(), 0)
+    def mark(self, phase: str) -> None:
+        """This rank has begun ``phase`` between steps (every rank marks the same phases in the same order):
+        what a stall report says of a rank that stalls there."""
+        self._write_progress(self.next_step - 1, -1, phase)
+
+    def _write_progress(self, done: int, grads: int, phase: str = "") -> None:
+        self._seq += 1
+        line = f"done={done} grads={grads} seq={self._seq} t={time.time():.3f} phase={phase[:_PHASE_MAX]}"
+        os.pwrite(self._fd, (line + "\n").ljust(_PROGRESS_BYTES).encode(), 0)  # covers a longer earlier line
 
     # --- per step ---
     def step_done(self, step: int, timer: Any) -> dict[str, float] | None:
@@ -252,10 +265,15 @@ class Observer:
 
 # --- collective timeouts -------------------------------------------------------------------------------
 
-_LINE = re.compile(r"done=(-?\d+) grads=(-?\d+) t=([\d.]+)")
+_LINE = re.compile(r"done=(-?\d+) grads=(-?\d+) seq=(\d+) t=([\d.]+) phase=(.*)")
+_PHASE_MAX = 96
+_PROGRESS_BYTES = 192
+"""One record's bytes, padded: each overwrites the last in place."""
 
 
-def _doing(done: int, grads_ready: bool) -> str:
+def _doing(done: int, grads_ready: bool, phase: str) -> str:
+    if phase:
+        return phase
     if grads_ready:
         return f"gradients of step {done + 1} ready, waiting in its all-reduce"
     return f"computing step {done + 1}"
@@ -264,7 +282,7 @@ def _doing(done: int, grads_ready: bool) -> str:
 def stall_report(run_dir: Path, world_size: int, now: float | None = None) -> str:
     """Which ranks the others were waiting for, from the progress files. Pure apart from reading them."""
     now = time.time() if now is None else now
-    state: dict[int, tuple[int, bool, float]] = {}
+    state: dict[int, tuple[int, str, int, float]] = {}
     missing = []
     for r in range(world_size):
         try:
@@ -274,20 +292,20 @@ def stall_report(run_dir: Path, world_size: int, now: float | None = None) -> st
         if m is None:
             missing.append(r)
             continue
-        done, grads = int(m.group(1)), int(m.group(2))
-        state[r] = (done, grads == done + 1, float(m.group(3)))
+        done, grads, seq = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        state[r] = (done, _doing(done, grads == done + 1, m.group(5).strip()), seq, float(m.group(4)))
     parts = [
-        f"rank {r}: completed step {d}, {_doing(d, g)}, last progress {now - t:.1f} s ago"
-        for r, (d, g, t) in sorted(state.items())
+        f"rank {r}: completed step {d}, {doing}, last progress {now - t:.1f} s ago"
+        for r, (d, doing, _, t) in sorted(state.items())
     ]
     if missing:
         parts.append(f"no progress file for rank(s) {missing} (never started a step, or {run_dir} is not shared)")
     if not state:
         return "; ".join(parts)
-    behind = min((d, g) for d, g, _ in state.values())
-    stalled = sorted(r for r, (d, g, _) in state.items() if (d, g) == behind)
+    behind = min(seq for _, _, seq, _ in state.values())
+    stalled = sorted(r for r, (_, _, seq, _) in state.items() if seq == behind)
     if len(stalled) == len(state) and not missing:
-        verdict = "all ranks reached the same point: the stall is in the collective itself (network) or outside the step (checkpoint/eval)"
+        verdict = "all ranks reached the same point: the stall is in the collective itself (network)"
     else:
         verdict = f"stalled: rank(s) {stalled} (the others wait for them)"
     return verdict + ". " + "; ".join(parts)

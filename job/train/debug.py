@@ -36,18 +36,25 @@ class NanLossAt:
 
 
 class Straggler:
-    """Sleeps before the first forward of the chosen steps on one rank: makes that rank a straggler."""
+    """Sleeps before the first forward of the chosen steps (or of the evaluations after them) on one rank: makes
+    that rank a straggler."""
 
     def __init__(self, cfg: DebugConfig, state: Any) -> None:
         self.delay_s, self.steps, self.state = cfg.straggler_delay_s, frozenset(cfg.straggler_steps), state
+        self.in_training = cfg.straggler_in == "train"
         self._delayed_step = -1
 
     def __call__(self, module: nn.Module, _args: Any) -> None:
         step = self.state.step + 1
-        if module.training and step != self._delayed_step and (not self.steps or step in self.steps):
+        if module.training != self.in_training or step == self._delayed_step:
+            return
+        if not self.steps or step in self.steps:
             self._delayed_step = step
+            where = f"step {step}'s first forward"
+            if not self.in_training:
+                where = f"the first forward of the evaluation after step {step - 1}"
             # said before the sleep: a test that signals a straggling rank waits for this line, not a guess
-            log.info("debug.straggler: sleeping %g s before step %d's first forward", self.delay_s, step)
+            log.info("debug.straggler: sleeping %g s before %s", self.delay_s, where)
             time.sleep(self.delay_s)
 
 

@@ -7,7 +7,7 @@ disjoint shard of the validation set, then one all-reduce adds every rank's sums
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,14 +15,17 @@ import torch.distributed as dist
 from torch import nn
 
 from job.observe.metrics import NullWriter
+from job.observe.observer import no_mark
 from job.parallel import distributed, fsdp
 from job.train.parts import Parts
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, parts: Parts) -> dict[str, float]:
+def evaluate(model: nn.Module, parts: Parts, mark: Callable[[str], None] = no_mark) -> dict[str, float]:
     """``val/<name>`` = sum / count over every rank for each metric, ``val/count`` = the items evaluated, and
-    the task's derived values (``summarize``). Every rank returns the same.
+    the task's derived values (``summarize``). Every rank returns the same. ``mark``: records on this rank's
+    progress file that its shard is done (job.observe.observer.Observer.mark), so that a stall report tells a rank
+    still evaluating from one waiting for it.
 
     Runs the unwrapped model: shards may differ in length, and DDP's forward would broadcast buffers, a
     collective every rank must join the same number of times.
@@ -38,6 +41,7 @@ def evaluate(model: nn.Module, parts: Parts) -> dict[str, float]:
             values = parts.task.metrics(model, batch)
         if counted:
             _add(totals, values, names, parts)
+    mark("evaluated its shard, waiting in the evaluation's all-reduce")
     dist.all_reduce(totals)
     sums = totals.tolist()
     model.train(was_training)
@@ -84,23 +88,29 @@ def _add(totals: torch.Tensor, values: dict[str, tuple[Any, Any]], names: tuple[
 class Evaluator:
     """Evaluates the model (and its EMA) every ``every`` steps during training, and once at the end."""
 
-    def __init__(self, parts: Parts, every: int, total_steps: int, writer: NullWriter) -> None:
-        self.parts, self.every, self.total_steps, self.writer = parts, every, total_steps, writer
+    def __init__(
+        self, parts: Parts, every: int, total_steps: int, writer: NullWriter, mark: Callable[[str], None] = no_mark
+    ) -> None:
+        """``mark``: records each phase of an evaluation on this rank's progress file (``evaluate``)."""
+        self.parts, self.every, self.total_steps, self.writer, self.mark = parts, every, total_steps, writer, mark
         self.latest: dict[str, float] = {}
         """The newest evaluation's results (empty until the first): what a progress report carries."""
 
-    def results(self) -> dict[str, float]:
-        """Validation metrics of the model, and of the EMA as ``ema/...`` when it is enabled (every rank)."""
+    def results(self, step: int = 0) -> dict[str, float]:
+        """Validation metrics of the model, and of the EMA as ``ema/...`` when it is enabled (every rank), after
+        optimizer step ``step``."""
         p = self.parts
+        self.mark(f"evaluating after step {step}")  # before its first collective: a rank stalled here marked it
         distributed.broadcast_buffers(p.raw_model)  # the model rank 0 saves, on every rank
-        out = evaluate(p.raw_model, p)
+        out = evaluate(p.raw_model, p, self.mark)
         if p.ema is not None:
+            self.mark(f"evaluating the EMA after step {step}")
             distributed.broadcast_buffers(p.ema.module)
-            out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p).items()})
+            out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p, self.mark).items()})
         self.latest = out
         return out
 
     def after_step(self, step: int) -> None:
         """The periodic evaluation; the last step is evaluated by the run's end, with the final report."""
         if self.every and step % self.every == 0 and step < self.total_steps:
-            self.writer.scalars(step, self.results())
+            self.writer.scalars(step, self.results(step))

@@ -117,6 +117,7 @@ def preempted(run: Run) -> int:
     """The stop save of the agreed step, then the stop record (rank 0, once the save is on storage: what every
     launcher reads to tell "saved, requeue me" from a lost save), then exit 143 on every rank."""
     step = run.state.step
+    run.stop.answered = True
     run.parts.guard.check(step, run.state)
     reasons = distributed.any_flags(run.stop.reasons(), run.rt)
     log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
@@ -136,7 +137,7 @@ def finish(run: Run) -> int:
     """The end of a completed run: final evaluation, the last checkpoint, the FINAL line."""
     step, is_main = run.state.step, run.env.is_main
     run.parts.guard.check(step, run.state)
-    results = run.evaluator.results()
+    results = run.evaluator.results(step)
     if is_main and run.parts.ema is not None:  # the headline metric (the task's first) and the loss
         headline = dict.fromkeys((run.parts.metric_names[0], "loss"))
         log.info("EMA %s", metric_values(results, "ema/val/", tuple(headline)))

@@ -67,6 +67,10 @@ class StopRequest:
         if max_time_s is not None:
             self.deadline = time.monotonic() + max_time_s - process_age_s()
         self.signal_name: str | None = None
+        self.signal_at: float | None = None
+        """``time.monotonic()`` when the first signal landed (job.observe.watchdog: a stop left unanswered)."""
+        self.answered = False
+        """Set by the loop once the ranks agreed to stop (it is saving and will exit)."""
         self.signals_received = 0
         self.where = "start-up"
         """What the loop is doing now (set by the loop, cheap): recorded when a signal lands."""
@@ -90,6 +94,7 @@ class StopRequest:
         # A second signal (e.g. during the save) changes nothing but the count.
         self.signals_received += 1
         if self.signal_name is None:
+            self.signal_at = time.monotonic()
             self.signal_name = signal.Signals(signum).name
             self.received_during = self.where + ("; a checkpoint write was in flight" if self.busy() else "")
 

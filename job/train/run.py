@@ -252,13 +252,14 @@ def build_run(
         parts.task.flops_per_item(),
     )
     cleanup.callback(observer.close)
+    checkpointer.mark = observer.mark
     progress = _progress(cfg, env, state.step, plan.total_steps)
     if progress is not None:
         cleanup.callback(progress.close)
     train_log = metrics.TrainLog(
         cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer, observer, progress
     )
-    evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer)
+    evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer, observer.mark)
     batches = parts.loaders.batches(state)
     cleanup.callback(batches.close)  # ends the data pipeline's threads (job.data.decode_ahead) on every exit
     vote = distributed.StepFlagVote(rt)
