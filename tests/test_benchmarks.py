@@ -55,9 +55,9 @@ def documented_goal(measure: str) -> float:
 
 # Bounds of a ratio between two programs that do the same work (the same model, batch and steps): a factor of 3
 # either way is far beyond what machine load does to CPU seconds, and well inside what a mismatch of the work
-# (a 4x batch, a missing backward pass) or of units (ms vs s) does. Wall times move more with neighbours' load.
+# (a 4x batch, a missing backward pass) or of units (ms vs s) does. Wall times of programs run one after the other
+# are not bounded: a neighbour's load can fall on one of them alone.
 SAME_WORK_CPU = (1 / 3, 3)
-SAME_WORK_WALL = (1 / 5, 5)
 
 
 def within(value: float, bounds: tuple[float, float]) -> bool:
@@ -91,9 +91,9 @@ def test_overhead_quick(tmp_path):
         timed >= 2 and timed / 2 * (r["job_wall"]["median"] + r["bare"]["median"] + r["lightning"]["median"]) < elapsed
     )
     # steps/s ratio of the adjacent runs: bare step time / ddp-job step time
+    # No bound on these wall-time ratios: the three programs run one after the other, so a neighbour's load can
+    # fall on one alone (6.9x was seen beside the suite). The CPU-time ratio below bounds the work instead.
     assert close(r["ratio_vs_bare"]["median"], r["bare"]["median"] / r["job"]["median"])
-    assert within(r["ratio_vs_bare"]["median"], SAME_WORK_WALL), r["ratio_vs_bare"]
-    assert within(r["ratio_vs_lightning"]["median"], SAME_WORK_WALL), r["ratio_vs_lightning"]
     # the wall time per step includes what the logged step time excludes
     assert r["job_wall"]["median"] >= r["job"]["median"] * 0.9
     assert close(r["ratio_vs_lightning"]["median"], r["lightning"]["median"] / r["job"]["median"])
