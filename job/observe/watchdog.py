@@ -101,8 +101,7 @@ class Watchdog:
             "launcher kills this rank now, this is where it was (every thread's Python stack):",
             self.rank, now - self.where.signal_at, where,
         )  # fmt: skip
-        for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
+        _flush_logs()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
 
@@ -114,10 +113,19 @@ class Watchdog:
             stall_report(self.run_dir, self.world_size),
         )  # fmt: skip
         _dump_flight_recorder(self.rank)
-        for handler in logging.getLogger().handlers + log.handlers:
-            handler.flush()
+        _flush_logs()
         sys.stderr.flush()
         os._exit(EXIT_TIMEOUT)  # the main thread is blocked in the collective: only the process can end it
+
+
+def _flush_logs() -> None:
+    """Every log handler's buffer out before what follows; a handler whose stream is gone must not end the
+    watchdog's thread before it has reported."""
+    for handler in logging.getLogger().handlers + log.handlers:
+        try:
+            handler.flush()
+        except (OSError, ValueError):
+            continue
 
 
 def _dump_flight_recorder(rank: int) -> None:
