@@ -310,13 +310,13 @@ def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
 
 def test_time_budget_ends_each_attempt_with_143_and_the_pods_restart(tmp_path: Path) -> None:
     """train.max_time spent at once: each attempt trains one step, saves it, records reason time-budget and
-    exits 143; restartPolicy ExitCode restarts the containers, which resume, until the run is done."""
+    exits 143; restartPolicy OnFailure restarts the containers in place, which resume, until the run is done."""
     docs = _with_args(kv.render(kv.K8S / "overlays" / "cpu-smoke"), "--train.steps", "2", "--train.max-time", "0.001")
     with ks.Simulation(docs, tmp_path) as sim:
         sim.start()
         assert sim.wait(TIMEOUT) == "Succeeded", sim.log("ddp-smoke-master-0")[-4000:]
     log = sim.log("ddp-smoke-master-0")
-    for name, pod in sim.pods.items():  # restarted in place: exit codes >= 128 are retried
+    for name, pod in sim.pods.items():  # restarted in place (OnFailure)
         assert pod.exit_codes[:2] == [143, 143], (name, pod.exit_codes, sim.events)
     assert sim.pods["ddp-smoke-master-0"].exit_codes == [143, 143, 0], sim.events
     stopped = re.findall(r"\[rank 0/\d+\] INFO stop requested \(time budget[^)]*\): saving at step (\d+)", log)

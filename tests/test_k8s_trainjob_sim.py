@@ -159,7 +159,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_torch_plugin_env_names_and_policies() -> None:
     """BEHAVIOUR.md's rules as pure functions: names, PET_* (auto with GPUs, CPU count without), the Job's
-    podFailurePolicy and JobSet's failurePolicy as the cpu-smoke runtime sets them."""
+    podFailurePolicy and JobSet's failurePolicy as the cpu-smoke runtime sets them: bad input fails the TrainJob,
+    a stop save restarts it without spending maxRestarts, any other failure spends one."""
     docs = kv.render(OVERLAYS / "cpu-smoke")
     runtime = next(d for d in docs if d["kind"] == "TrainingRuntime")
     gpu = {"requests": {"nvidia.com/gpu": 8}, "limits": {"nvidia.com/gpu": 8}}
@@ -176,13 +177,20 @@ def test_torch_plugin_env_names_and_policies() -> None:
     assert ts.nproc_per_node({"resourcesPerNode": {"limits": {"cpu": "2"}}}) == "2"
     assert ts.nproc_per_node({}) == "1" and ts.nproc_per_node({"numProcPerNode": 2}) == "2"
     pfp = ts.trainer_job(runtime)["template"]["spec"]["podFailurePolicy"]
-    assert ts.pod_failure_action(2, pfp) == "FailJob"
-    assert [ts.pod_failure_action(c, pfp) for c in (1, 124, 137, 143)] == ["Count"] * 4
+    assert ts.pod_failure_rule(2, pfp) == ("FailJob", 0) and ts.pod_failure_rule(143, pfp) == ("FailJob", 1)
+    assert [ts.pod_failure_action(c, pfp) for c in (1, 124, 137)] == ["Count"] * 3
+    bad_input, stopped = ts.fail_job_message(NODE1, 2, 0), ts.fail_job_message(NODE1, 143, 1)
+    assert (
+        stopped == f"Container node for pod default/{NODE1} failed with exit code 143 matching FailJob rule at index 1"
+    )
     policy = runtime["spec"]["template"]["spec"]["failurePolicy"]
-    assert ts.jobset_action("PodFailurePolicy", policy, 0) == "FailJobSet"
-    assert ts.jobset_action("BackoffLimitExceeded", policy, 0) == "RestartJobSet"
-    assert ts.jobset_action("BackoffLimitExceeded", policy, policy["maxRestarts"]) == "FailJobSet"
-    assert ts.jobset_action("BackoffLimitExceeded", None, 0) == "FailJobSet"
+    most = policy["maxRestarts"]
+    assert ts.jobset_action("PodFailurePolicy", bad_input, policy, 0) == "FailJobSet"
+    assert ts.jobset_action("PodFailurePolicy", stopped, policy, most) == "RestartJobSetAndIgnoreMaxRestarts"
+    failed = "Job has reached the specified backoff limit"
+    assert ts.jobset_action("BackoffLimitExceeded", failed, policy, most - 1) == "RestartJobSet"
+    assert ts.jobset_action("BackoffLimitExceeded", failed, policy, most) == "FailJobSet"
+    assert ts.jobset_action("BackoffLimitExceeded", failed, None, 0) == "FailJobSet"
 
 
 def test_two_nodes_train_to_completion(reference: dict) -> None:
@@ -281,6 +289,34 @@ def test_jobset_restart_of_all_pods_resumes(reference: dict, tmp_path: Path) -> 
     resumed = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)", sim.log(NODE0))]
     assert len(resumed) == 2 and len(set(resumed)) == 1 and resumed[0] >= _config(sim)["ckpt"]["every"]
     _assert_same_params(_run_dir(sim), reference["run_dir"])
+
+
+def test_time_budget_attempts_restart_without_spending_max_restarts(tmp_path: Path) -> None:
+    """train.max_time spent at once, under a runtime that allows one failure (maxRestarts 1): each attempt trains
+    one step, saves it, records reason time-budget and every container exits 143; the Job fails by its
+    podFailurePolicy and JobSet restarts all pods by the stop-save rule, which does not count towards
+    maxRestarts, so the run takes two restarts and completes, resuming each time from the step it saved."""
+    docs = kv.render(OVERLAYS / "cpu-smoke")
+    trainer = next(d for d in docs if d["kind"] == "TrainJob")["spec"]["trainer"]
+    trainer["args"] = [*trainer["args"], "--train.steps", "2", "--train.max-time", "0.001"]
+    runtime = next(d for d in docs if d["kind"] == "TrainingRuntime")
+    runtime["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] = 1
+    with ts.TrainJobSimulation(docs, tmp_path) as sim:
+        sim.start()
+        condition = sim.wait(TIMEOUT)
+    log = sim.log(NODE0)
+    assert condition == ts.COMPLETE, (sim.events, log[-4000:])
+    restarts = [what for _, pod, what in sim.events if pod == "jobset"]
+    assert len(restarts) == 2 and all("exit code 143" in r for r in restarts), restarts
+    assert all(r.endswith(": RestartJobSetAndIgnoreMaxRestarts") for r in restarts), restarts
+    assert (sim.restart_attempt, sim.restarts_counted) == (2, 0)
+    for name, pod in sim.pods.items():
+        assert pod.exit_codes == [143, 143, 0] and pod.generation == 2, (name, pod.exit_codes)
+    stopped = re.findall(r"\[rank 0/\d+\] INFO stop requested \(time budget[^)]*\): saving at step (\d+)", log)
+    assert stopped == ["1", "2"], log[-4000:]
+    assert "stop save of step 1 (time-budget); exit code 143" in log, log[-4000:]
+    assert re.findall(r"resumed from \S+ \(step (\d+)", log) == ["1", "1", "2", "2"], log[-4000:]
+    assert int(re.findall(r"^FINAL step=(\d+)", log, re.M)[-1]) == 2
 
 
 def test_doctor_in_a_trainjob(tmp_path: Path) -> None:

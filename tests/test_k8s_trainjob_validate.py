@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import shutil
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -109,14 +110,17 @@ _DELETE = object()
 
 def _set(kind: str, path: str, value: object) -> Callable[[list[dict]], None]:
     def go(docs: list[dict]) -> None:
-        node: dict = _doc(docs, kind)
+        node: Any = _doc(docs, kind)
         *parents, last = path.split("/")
         for p in parents:
             node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
+        key: Any = last
+        if isinstance(node, list):
+            key = int(last)
         if value is _DELETE:
-            del node[last]
+            del node[key]
         else:
-            node[last] = value
+            node[key] = value
 
     return go
 
@@ -141,7 +145,14 @@ def _node_env(name: str, value: str) -> Callable[[list[dict]], None]:
     return go
 
 
+def _rule(docs: list[dict], index: int, **change: object) -> dict:
+    """A copy of the runtime's failure policy rule ``index``, with ``change`` applied."""
+    rule = _doc(docs, "TrainingRuntime")["spec"]["template"]["spec"]["failurePolicy"]["rules"][index]
+    return {**copy.deepcopy(rule), **change}
+
+
 T = "spec/trainer"
+FP = "spec/template/spec/failurePolicy"
 MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     # API server: CRD schemas and their CEL rules
     "nodes-string": (_job(f"{T}/numNodes", "2"), "'2' is not of type 'integer'"),
@@ -202,6 +213,15 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "recreate": (_rt("spec/template/spec/failurePolicy/restartStrategy", "Recreate"), "use BlockingRecreate"),
     "no-fail-rule": (_rt("spec/template/spec/failurePolicy/rules", []), "bad input is permanent"),
     "no-pod-failure-policy": (_rt(f"{RJ}/podFailurePolicy", _DELETE), "must FailJob on exit code 2"),
+    "stop-save-counted": (_rt(f"{RJ}/podFailurePolicy/rules/1", _DELETE), "exit code 143 (a stop save)"),
+    "no-stop-save-rule": (_rt(f"{FP}/rules/0", _DELETE), "exit code 143 (a stop save) after maxRestarts=5"),
+    "bad-input-rule-catches-all": (
+        lambda d: _rt(f"{FP}/rules", [_rule(d, 1, onJobFailureMessagePatterns=[]), _rule(d, 0)])(d),
+        "exit code 143 (a stop save) after maxRestarts=5 restarts gets 'FailJobSet'",
+    ),
+    "rule-name-with-dash": (_rt(f"{FP}/rules/0/name", "stop-save"), "'stop-save': JobSet rejects it"),
+    "rule-names-repeat": (_rt(f"{FP}/rules/1/name", "stop_save_resumes"), "rule names must be unique"),
+    "rule-unknown-reason": (_rt(f"{FP}/rules/1/onJobFailureReasons", ["Evicted"]), "not a job failure reason"),
     "on-failure": (_rt(f"{POD}/restartPolicy", "OnFailure"), "restartPolicy: Never"),
     "backoff": (_rt(f"{RJ}/backoffLimit", 6), "set backoffLimit: 0"),
     "no-dshm": (_rt(f"{POD}/volumes/2/emptyDir", {}), "medium: Memory"),

@@ -12,8 +12,10 @@ run at once. What is Trainer v2 here:
 * the environment: the image's, ``HOSTNAME``, the runtime container's env, the TrainJob's env, the
   torch plugin's ``PET_*`` (``torch_env``) and the Job controller's ``JOB_COMPLETION_INDEX``;
 * restarts: the pod's restartPolicy (kubelet, in place), the Job's backoffLimit and podFailurePolicy
-  (``pod_failure_action``), JobSet's failurePolicy (``jobset_action``): a restart deletes every pod,
-  waits for all of them to be gone (BlockingRecreate) and creates new ones with new IPs;
+  (``pod_failure_rule``; a FailJob rule fails the Job with the controller's message, ``fail_job_message``),
+  JobSet's failurePolicy rules on the failure's reason and message (``jobset_action``): a restart deletes every
+  pod, waits for all of them to be gone (BlockingRecreate) and creates new ones with new IPs; only
+  RestartJobSet counts towards maxRestarts, RestartJobSetAndIgnoreMaxRestarts does not;
 * suspend: every pod deleted (SIGTERM, SIGKILL after terminationGracePeriodSeconds), the TrainJob kept;
   resume: new pods, new IPs. A TrainJob created with ``spec.suspend: true`` starts no pod;
 * the ``TrainJobStatus`` feature gate (``trainjob_status``, off by default as upstream): the controller's status
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import threading
@@ -144,31 +147,50 @@ def container_env(job: dict, runtime: dict, index: int, trainjob_status: bool = 
     return env
 
 
-def pod_failure_action(code: int, policy: dict | None) -> str:
-    """The Job's podFailurePolicy for a container that exited ``code``: FailJob, Ignore or Count."""
-    for rule in (policy or {}).get("rules") or []:
+def pod_failure_rule(code: int, policy: dict | None) -> tuple[str, int | None]:
+    """The Job's podFailurePolicy for a container that exited ``code``: the action (FailJob, Ignore or Count)
+    and the index of the rule that gave it (None: no rule matched, so Count)."""
+    for index, rule in enumerate((policy or {}).get("rules") or []):
         on = rule.get("onExitCodes")
         if not on:
             continue
         hit = code in on.get("values", [])
         if (on.get("operator") == "In") == hit:
-            return rule["action"]
-    return "Count"
+            return rule["action"], index
+    return "Count", None
 
 
-def jobset_action(reason: str, failure_policy: dict | None, restarts: int) -> str:
-    """JobSet's answer to a failed child Job: FailJobSet, RestartJobSet or RestartJobSetAndIgnoreMaxRestarts."""
+def pod_failure_action(code: int, policy: dict | None) -> str:
+    """The Job's podFailurePolicy for a container that exited ``code``: FailJob, Ignore or Count."""
+    return pod_failure_rule(code, policy)[0]
+
+
+def fail_job_message(pod: str, code: int, index: int, namespace: str = "default") -> str:
+    """The message of the Job's Failed condition (reason PodFailurePolicy) after rule ``index`` said FailJob,
+    as the Job controller writes it (pkg/controller/job/pod_failure_policy.go); JobSet's rules match it."""
+    return (
+        f"Container {TRAINER_JOB} for pod {namespace}/{pod} failed with exit code {code} "
+        f"matching FailJob rule at index {index}"
+    )
+
+
+def _rule_applies(rule: dict, reason: str, message: str) -> bool:
+    """JobSet's ruleIsApplicable: the reason is listed (or none is) and a pattern matches the message (or none is
+    given); Go's regexp.MatchString finds a match anywhere, as re.search does."""
+    reasons = rule.get("onJobFailureReasons") or []
+    patterns = rule.get("onJobFailureMessagePatterns") or []
+    return (not reasons or reason in reasons) and (not patterns or any(re.search(p, message) for p in patterns))
+
+
+def jobset_action(reason: str, message: str, failure_policy: dict | None, counted: int) -> str:
+    """JobSet's answer to a failed child Job: FailJobSet, RestartJobSet or RestartJobSetAndIgnoreMaxRestarts.
+    ``counted`` is the restarts so far that count towards maxRestarts (status.restartsCountTowardsMax)."""
     if failure_policy is None:
         return "FailJobSet"  # no failurePolicy: the first failed Job fails the JobSet
-    for rule in failure_policy.get("rules") or []:
-        reasons = rule.get("onJobFailureReasons") or []
-        if not reasons or reason in reasons:
-            action = rule["action"]
-            break
-    else:
-        action = "RestartJobSet"
-    if action == "RestartJobSet" and restarts >= int(failure_policy.get("maxRestarts") or 0):
-        return "FailJobSet"
+    rule = next((r for r in failure_policy.get("rules") or [] if _rule_applies(r, reason, message)), None)
+    action = "RestartJobSet" if rule is None else rule["action"]
+    if action == "RestartJobSet" and counted >= int(failure_policy.get("maxRestarts") or 0):
+        return "FailJobSet"  # reason ReachedMaxRestarts
     return action
 
 
@@ -206,7 +228,8 @@ class TrainJobSimulation:
         self.pods = {n: ks.Pod(n, TRAINER_JOB, i, self.net.ns_prefix + n, i) for i, n in enumerate(names)}
         self.events: list[tuple[float, str, str]] = []
         self.condition = SUSPENDED if self.job["spec"].get("suspend") else "Created"
-        self.restart_attempt = 0  # JobSet's jobset.sigs.k8s.io/restart-attempt
+        self.restart_attempt = 0  # JobSet's status.restarts, the pods' jobset.sigs.k8s.io/restart-attempt label
+        self.restarts_counted = 0  # JobSet's status.restartsCountTowardsMax, against failurePolicy.maxRestarts
         self.failures = 0  # the Job's failed pods, against backoffLimit
         self.image: list[dict] = []
         self._next_ip = 10
@@ -445,32 +468,34 @@ class TrainJobSimulation:
         for pod in finished:
             if pod.phase != "Failed" or pod.deleting:
                 continue
-            action = pod_failure_action(pod.exit_codes[-1], self.job_spec.get("podFailurePolicy"))
-            if action == "FailJob":
-                return self._job_failed("PodFailurePolicy")
+            code = pod.exit_codes[-1]
+            action, index = pod_failure_rule(code, self.job_spec.get("podFailurePolicy"))
+            if action == "FailJob" and index is not None:
+                return self._job_failed("PodFailurePolicy", fail_job_message(pod.name, code, index))
             if action == "Count":
                 self.failures += 1
                 if self.failures > self.job_spec.get("backoffLimit", JOB_BACKOFF_DEFAULT):
-                    return self._job_failed("BackoffLimitExceeded")
+                    return self._job_failed("BackoffLimitExceeded", "Job has reached the specified backoff limit")
             self._event(pod.name, f"recreate after exit {pod.exit_codes[-1]} ({action})")
             self._create(pod)
         if all(p.phase == "Succeeded" for p in self.pods.values()):
             self._finish(COMPLETE)
         return None
 
-    def _job_failed(self, reason: str) -> None:
+    def _job_failed(self, reason: str, message: str) -> None:
         """JobSet's failurePolicy for the failed Job: fail the TrainJob, or recreate every pod."""
         policy = self.runtime["spec"]["template"]["spec"].get("failurePolicy")
-        action = jobset_action(reason, policy, self.restart_attempt)
-        self._event("jobset", f"job failed ({reason}): {action}")
+        action = jobset_action(reason, message, policy, self.restarts_counted)
+        self._event("jobset", f"job failed ({reason}: {message}): {action}")
         if action == "FailJobSet":
             self._finish(FAILED)
             return
         if (policy or {}).get("restartStrategy") != "BlockingRecreate":
             raise ValueError("the simulation recreates pods only after the old ones are gone: use BlockingRecreate")
         self._delete_all_and_wait()
+        self.restart_attempt += 1  # either restart action; only RestartJobSet counts towards maxRestarts
         if action == "RestartJobSet":
-            self.restart_attempt += 1
+            self.restarts_counted += 1
         self.failures = 0
         for pod in self.pods.values():
             self._create(pod)

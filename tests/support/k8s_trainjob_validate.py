@@ -19,11 +19,13 @@ Every check returns messages that name the field, the bad value and the fix; an 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import jsonschema
 import yaml
 
+from support import k8s_trainjob_sim as ts
 from support import k8s_validate as kv
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "k8s"
@@ -39,6 +41,17 @@ MANAGED_BY = {"trainer.kubeflow.org/trainjob-controller", "kueue.x-k8s.io/multik
 ML_POLICIES = ("torch", "mpi", "jax", "xgboost", "flux")
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 143  # job.errors.EXIT_PREEMPTED: only with a stop save on storage
+# JobSet v0.12.0 pkg/webhooks/jobset_webhook.go: failure policy rule names and the Job failure reasons it knows
+RULE_NAME = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+RULE_NAME_MAX = 128
+JOB_FAILURE_REASONS = (
+    "BackoffLimitExceeded",
+    "DeadlineExceeded",
+    "FailedIndexes",
+    "MaxFailedIndexesExceeded",
+    "PodFailurePolicy",
+)
 
 
 @functools.cache
@@ -168,6 +181,48 @@ def runtime_webhook_errors(runtime: dict) -> list[str]:
     return []
 
 
+def jobset_webhook_errors(runtime: dict) -> list[str]:
+    """JobSet's validateFailurePolicy, which the JobSet that Trainer creates from this runtime must pass: rule
+    names of 1-128 characters matching its pattern and unique, known job failure reasons, existing targets."""
+    policy = ((runtime.get("spec") or {}).get("template") or {}).get("spec", {}).get("failurePolicy") or {}
+    rjobs = {r.get("name") for r in replicated_jobs(runtime)}
+    errs, seen = [], set()
+    for i, rule in enumerate(policy.get("rules") or []):
+        name, where = str(rule.get("name", "")), f"failurePolicy.rules[{i}]"
+        if not 1 <= len(name) <= RULE_NAME_MAX or not RULE_NAME.match(name):
+            errs.append(
+                f"{where}.name={name!r}: JobSet rejects it: 1-{RULE_NAME_MAX} characters, a letter first, then "
+                "letters, digits or '_,:', ending in a letter, digit or '_' (use '_' for '-')"
+            )
+        if name in seen:
+            errs.append(f"{where}.name={name!r}: rule names must be unique: rename it")
+        seen.add(name)
+        bad = [r for r in rule.get("onJobFailureReasons") or [] if r not in JOB_FAILURE_REASONS]
+        if bad:
+            errs.append(f"{where}.onJobFailureReasons {bad}: not a job failure reason; use {list(JOB_FAILURE_REASONS)}")
+        missing = [t for t in rule.get("targetReplicatedJobs") or [] if t not in rjobs]
+        if missing:
+            errs.append(f"{where}.targetReplicatedJobs {missing}: no such replicatedJob; use {sorted(rjobs)}")
+    return errs
+
+
+def jobset_answer(runtime: dict, code: int, counted: int) -> str:
+    """What JobSet does when the trainer container of node 0 exits ``code`` after ``counted`` restarts that
+    count towards maxRestarts: the Job controller's podFailurePolicy and backoffLimit, then JobSet's rules
+    (tests/support/k8s_trainjob_sim.py holds both)."""
+    rjob = next((r for r in replicated_jobs(runtime) if r.get("name") == TRAINER_JOB), {})
+    jspec = rjob.get("template", {}).get("spec", {})
+    action, index = ts.pod_failure_rule(code, jspec.get("podFailurePolicy"))
+    if action == "FailJob" and index is not None:
+        reason, message = "PodFailurePolicy", ts.fail_job_message(f"job-{TRAINER_JOB}-0-0-x1y2z", code, index)
+    elif action == "Count" and jspec.get("backoffLimit", ts.JOB_BACKOFF_DEFAULT) == 0:
+        reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+    else:
+        return f"the Job replaces the pod ({action})"
+    policy = ((runtime.get("spec") or {}).get("template") or {}).get("spec", {}).get("failurePolicy")
+    return ts.jobset_action(reason, message, policy, counted)
+
+
 def _launch_errors(trainer: dict) -> list[str]:
     cmd = [*(trainer.get("command") or []), *(trainer.get("args") or [])]
     if cmd[:2] != ["ddp-job", "launch"] or "--" not in cmd:
@@ -200,7 +255,7 @@ def _nproc_errors(trainer: dict) -> list[str]:
 
 def _restart_errors(runtime: dict) -> list[str]:
     """The restart contract of docs/kubernetes.md: any failure restarts all pods through JobSet, after the
-    old ones are gone; bad input fails the TrainJob at once."""
+    old ones are gone; a stop save does so without spending maxRestarts; bad input fails the TrainJob at once."""
     errs = []
     js = runtime.get("spec", {}).get("template", {}).get("spec", {})
     policy = js.get("failurePolicy") or {}
@@ -211,23 +266,37 @@ def _restart_errors(runtime: dict) -> list[str]:
             f"failurePolicy.restartStrategy={policy.get('restartStrategy')!r}: use BlockingRecreate (new pods "
             "must not write the run directory while old ones still save)"
         )
-    rules = [r for r in policy.get("rules") or [] if "PodFailurePolicy" in (r.get("onJobFailureReasons") or [])]
-    if not any(r.get("action") == "FailJobSet" for r in rules):
-        errs.append(
-            "failurePolicy.rules: add FailJobSet onJobFailureReasons [PodFailurePolicy] (bad input is permanent)"
-        )
+    errs += _exit_code_errors(runtime, int(policy.get("maxRestarts") or 0))
     rjob = next((r for r in replicated_jobs(runtime) if r.get("name") == TRAINER_JOB), {})
     jspec = rjob.get("template", {}).get("spec", {})
-    exits = [r for r in (jspec.get("podFailurePolicy") or {}).get("rules") or [] if r.get("action") == "FailJob"]
-    if not any(EXIT_BAD_INPUT in ((r.get("onExitCodes") or {}).get("values") or []) for r in exits):
-        errs.append(
-            f"replicatedJobs.{TRAINER_JOB}: podFailurePolicy must FailJob on exit code {EXIT_BAD_INPUT} (bad input)"
-        )
     if jspec.get("backoffLimit") != 0 or jspec.get("template", {}).get("spec", {}).get("restartPolicy") != "Never":
         errs.append(
             f"replicatedJobs.{TRAINER_JOB}: set backoffLimit: 0 and the pod's restartPolicy: Never (a restart "
             "of one pod alone meets peers whose collectives already failed; JobSet restarts them all)"
         )
+    return errs
+
+
+def _exit_code_errors(runtime: dict, max_restarts: int) -> list[str]:
+    """The exit codes' contract (docs/kubernetes.md, "Exit codes and restarts"), as JobSet would answer them."""
+    errs = []
+    if jobset_answer(runtime, EXIT_BAD_INPUT, 0) != "FailJobSet":
+        errs.append(
+            f"exit code {EXIT_BAD_INPUT} (bad input) gets {jobset_answer(runtime, EXIT_BAD_INPUT, 0)!r}, not "
+            f"FailJobSet: podFailurePolicy must FailJob on exit code {EXIT_BAD_INPUT}, and a failurePolicy rule "
+            "FailJobSet on reason PodFailurePolicy must match its message (bad input is permanent)"
+        )
+    stop = jobset_answer(runtime, EXIT_PREEMPTED, max_restarts)
+    if stop != "RestartJobSetAndIgnoreMaxRestarts":
+        errs.append(
+            f"exit code {EXIT_PREEMPTED} (a stop save) after maxRestarts={max_restarts} restarts gets {stop!r}: "
+            f"podFailurePolicy must FailJob on exit code {EXIT_PREEMPTED}, and a failurePolicy rule "
+            "RestartJobSetAndIgnoreMaxRestarts on reason PodFailurePolicy must match its message (time-budget "
+            "attempts and drains must not spend the failure budget)"
+        )
+    for code in (1, 124, 137):
+        if jobset_answer(runtime, code, 0) != "RestartJobSet":
+            errs.append(f"exit code {code} gets {jobset_answer(runtime, code, 0)!r}: a failure must restart all pods")
     return errs
 
 
@@ -276,7 +345,7 @@ def all_errors(docs: list[dict]) -> list[str]:
         else:
             errs += kv.builtin_errors(d)
         if d.get("kind") == "TrainingRuntime":
-            errs += job_template_errors(d) + runtime_webhook_errors(d)
+            errs += job_template_errors(d) + runtime_webhook_errors(d) + jobset_webhook_errors(d)
         if d.get("kind") == "TrainJob":
             errs += webhook_errors(d) + project_errors(d, docs)
     return errs
