@@ -31,6 +31,11 @@ TINY = [
 ]
 
 
+def run_args(data: Path, run_dir: Path, *more: str) -> list[str]:
+    """The tiny run's arguments writing to ``run_dir``, then ``more``."""
+    return ["--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", run_dir.name, *more]
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_data(tmp_path_factory.mktemp("observe-data") / "tiny")
@@ -152,14 +157,9 @@ def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path,
     run_dir = tmp_path / "runs" / "slow"
     r = torchrun(
         2,
-        [
-            "--data.path",
-            str(data),
-            *TINY,
-            "--run.output-dir",
-            str(run_dir.parent),
-            "--run.name",
-            "slow",
+        run_args(
+            data,
+            run_dir,
             "--train.steps",
             "4",
             "--log.every",
@@ -172,7 +172,7 @@ def test_slowed_rank_is_the_straggler_and_profiler_writes_traces(tmp_path: Path,
             "1",
             "--observe.profile-steps",
             "1",
-        ],
+        ),
         env=base_env(tmp_path),
         timeout=600,
     )
@@ -222,14 +222,9 @@ def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -
     run_dir = tmp_path / "runs" / "hang"
     r = torchrun(
         2,
-        [
-            "--data.path",
-            str(data),
-            *TINY,
-            "--run.output-dir",
-            str(run_dir.parent),
-            "--run.name",
-            "hang",
+        run_args(
+            data,
+            run_dir,
             "--train.steps",
             "6",
             "--log.every",
@@ -244,7 +239,7 @@ def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -
             "1",
             "--debug.straggler-steps",
             "3",
-        ],
+        ),
         env=base_env(tmp_path),
         timeout=600,
     )
@@ -266,14 +261,9 @@ def test_a_rank_stalled_in_evaluation_is_named_and_leaves_its_stacks(tmp_path: P
     run_dir = tmp_path / "runs" / "evalhang"
     r = torchrun(
         2,
-        [
-            "--data.path",
-            str(data),
-            *TINY,
-            "--run.output-dir",
-            str(run_dir.parent),
-            "--run.name",
-            "evalhang",
+        run_args(
+            data,
+            run_dir,
             "--train.steps",
             "2",
             "--doctor.enabled",
@@ -286,7 +276,7 @@ def test_a_rank_stalled_in_evaluation_is_named_and_leaves_its_stacks(tmp_path: P
             "0",
             "--debug.straggler-in",
             "eval",
-        ],
+        ),
         env=base_env(tmp_path),
         timeout=600,
     )
@@ -306,8 +296,8 @@ def test_metrics_jsonl_holds_one_record_per_log_step(tmp_path: Path, data: Path)
     the training log's, the observer's and the evaluation's values together, equal to what TensorBoard holds
     for that step (TensorBoard keeps float32)."""
     run_dir = tmp_path / "runs" / "jsonl"
-    args = [*("--data.path", str(data), *TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "jsonl")]
-    args += ["--train.steps", "4", "--log.every", "2", "--train.eval-every", "2", "--log.jsonl", "true"]
+    args = run_args(data, run_dir, "--train.steps", "4", "--log.every", "2", "--train.eval-every", "2")
+    args += ["--log.jsonl", "true"]
     r = torchrun(2, args, env=base_env(tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
