@@ -18,6 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+# A reserved port waits in TIME_WAIT: no bind(0) gets it, the store's SO_REUSEADDR bind does. A port bound and
+# released at once could be handed to another test's process before rank 0 binds it.
+from ephemeral_port_reserve import reserve
 from support import ROOT
 from support.ci import bin_path, require_tool
 from support.cli import base_env, make_data
@@ -37,12 +41,6 @@ ARGS = [
     "resnet18",
 ]
 # Not in ARGS: data.num_workers and doctor.comm_sizes_kb (cases differ; repeated list flags append).
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def contract(rank: int, world: int, port: int, addr: str = "127.0.0.1", **extra: str) -> dict[str, str]:
@@ -86,7 +84,7 @@ def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, 
     # No interface but a downed loopback: the name cannot resolve, and no query can leave the machine.
     no_workers = ["--data.num-workers", "0"]
     add("dns", [unshare, "-n", *doctor, *no_workers], contract(1, 2, 29500, addr="rank0.ddp-job-doctor-test.invalid"))
-    add("port", [*doctor, *no_workers], contract(1, 2, free_port()))
+    add("port", [*doctor, *no_workers], contract(1, 2, reserve()))
     ro = tmp / "ro"
     ro.mkdir()
     add(
@@ -136,10 +134,10 @@ def failures(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict[str, 
     # Two-rank cases: rank 1 must wait for rank 0's store however slowly rank 0 starts (ARGS' 2 s is for the
     # dns/port cases; under load rank 1 gave up after 2 s and rank 0 then waited in init_process_group).
     wait = ["--doctor.rendezvous-timeout-s", "300"]
-    port = free_port()
+    port = reserve()
     for rank in (0, 1):  # claims 2 nodes x 2 processes = 4, but WORLD_SIZE=2
         add("layout", [*doctor, *no_workers], contract(rank, 2, port, GROUP_WORLD_SIZE="2", GROUP_RANK="0"), args=wait)
-    port = free_port()
+    port = reserve()
     for rank in (0, 1):
         add(
             "config",

@@ -7,12 +7,15 @@ import ast
 import datetime
 import json
 import pickle
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# A reserved port waits in TIME_WAIT: no bind(0) gets it, the store's SO_REUSEADDR bind does. A port bound and
+# released at once could be handed to another test's process before rank 0 binds it.
+from ephemeral_port_reserve import reserve
 from support import ROOT
 
 from job import cli, errors
@@ -202,15 +205,9 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_real_gloo_collective_timeout_is_recognised(tmp_path: Path) -> None:
     """torch 2.14.1 raises a plain RuntimeError for a gloo timeout (no torch type): the documented fallback."""
-    port = str(_free_port())
+    port = str(reserve())
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", GLOO_HANG, str(rank), port],
