@@ -22,9 +22,10 @@ import pytest
 import torch
 from support.cli import run_cli, torchrun, user_code_env
 from support.runs import assert_bitwise_equal, load_final_state
+from support.tolerance import summation_order_tolerance
 from test_faults import Job
 from test_observe import scalars
-from test_train import TOL, max_abs_diff
+from test_train import max_abs_diff
 
 from job.config import load_config
 from job.data import corpus
@@ -277,16 +278,19 @@ def test_two_processes_with_zero_and_compile_train_what_one_process_does(text: P
     2 DataLoader workers and the per-item random window shift; both under torch.compile."""
     out = tmp_path / "runs"
     extra = ["--train.steps", "6", "--optim.name", "sgd", "--optim.lr", "0.5", "--sched.name", "constant"]
-    extra += ["--model.compile", "true", "--log.tensorboard", "false"]
+    extra += ["--model.compile", "true", "--log.tensorboard", "false", "--log.jsonl", "true", "--log.every", "1"]
     one = run_cli(["train", *lm_args(text, out, "one", *extra)], env=user_code_env(tmp_path), timeout=900)
     assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
     two_args = lm_args(text, out, "two", *extra, "--train.micro-batch-size", "4", "--optim.zero", "true")
     two_args[two_args.index("--data.num-workers") + 1] = "2"
     two = torchrun(2, two_args, env=user_code_env(tmp_path), timeout=900)
     assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
-    diff = max_abs_diff(load_final_state(out / "one")["model"], load_final_state(out / "two")["model"])
-    print(f"\nmax |param diff| 1 proc vs 2 procs (ZeRO, compile): {diff:.3g}")
-    assert diff < TOL
+    model = load_final_state(out / "one")["model"]
+    diff = max_abs_diff(model, load_final_state(out / "two")["model"])
+    # 16 windows x 32 tokens x the MLP's fan-in of 4 x 32 feed a gradient element; momentum 0.9, decay 1e-4.
+    tol = summation_order_tolerance([out / "one", out / "two"], 16 * 32 * 4 * 32, 0.9, 1e-4, model)
+    print(f"\nmax |param diff| 1 proc vs 2 procs (ZeRO, compile): {diff:.3g} (tolerance {tol:.3g})")
+    assert diff < tol
     assert final(one.stdout)["val_loss"] == pytest.approx(final(two.stdout)["val_loss"], abs=1e-4)
 
 

@@ -14,7 +14,7 @@ from support import EXAMPLE
 from support.cli import run_cli, torchrun, user_code_env
 from support.runs import assert_bitwise_equal, load_final_state
 from test_faults import Job
-from test_train import TOL, exact_args, final, max_abs_diff
+from test_train import exact_args, exact_tolerance, final, max_abs_diff
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def test_user_dataset_on_two_processes_equals_one_process(tmp_path: Path) -> Non
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
         results[name] = final(r.stdout)
     one, two = (load_final_state(out / n)["model"] for n in ("one", "two"))
-    assert max_abs_diff(one, two) < TOL
+    assert max_abs_diff(one, two) < exact_tolerance(out / "one", out / "two")
     assert results["one"]["count"] == results["two"]["count"] == 32
     assert abs(results["one"]["loss"] - results["two"]["loss"]) < 1e-4, results
 
