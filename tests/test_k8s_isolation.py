@@ -23,7 +23,7 @@ import pytest
 from support import k8s_sim as ks
 from support import k8s_trainjob_sim as ts
 from support import k8s_validate as kv
-from support.ci import require
+from support.ci import KUBECTL_MISSING, kubectl, require
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 300  # a loaded 2-core machine imports torch 5-10x slower than an idle one
@@ -50,8 +50,8 @@ result = {"job": job.__file__, "torch": torch.__file__, "config": sorted(os.list
 @pytest.fixture(scope="module", autouse=True)
 def _requirements() -> None:
     require(os.geteuid() == 0, "the pod simulations need root (network namespaces, mounts)")
-    for tool in ("ip", "kubectl"):
-        require(shutil.which(tool) is not None, f"{tool} not found (scripts/test.sh installs the Debian packages)")
+    require(shutil.which("ip") is not None, "ip not found (scripts/test.sh installs the Debian packages)")
+    require(kubectl() is not None, KUBECTL_MISSING)
     require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(), "the simulated image runs .venv/bin/ddp-job")
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support import k8s_sim as ks
 from support import k8s_validate as kv
-from support.ci import require
+from support.ci import KUBECTL_MISSING, kubectl, require
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 TIMEOUT = 300  # one pod starting python: a loaded 2-core machine is 5-10x slower than an idle one
@@ -57,8 +57,8 @@ AS_ROOT = {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0}
 @pytest.fixture(scope="module", autouse=True)
 def _requirements() -> None:
     require(os.geteuid() == 0, "the pod simulation needs root (network namespaces, mounts)")
-    for tool in ("ip", "kubectl"):
-        require(shutil.which(tool) is not None, f"{tool} not found (scripts/test.sh installs the Debian packages)")
+    require(shutil.which("ip") is not None, "ip not found (scripts/test.sh installs the Debian packages)")
+    require(kubectl() is not None, KUBECTL_MISSING)
     require((ks.REPO / ".venv" / "bin" / "python").exists(), "the simulated image runs .venv/bin/python")
 
 

@@ -24,7 +24,7 @@ import yaml
 from support import k8s_sim as ks
 from support import k8s_validate as kv
 from support import lm
-from support.ci import require
+from support.ci import KUBECTL_MISSING, kubectl, require
 from support.runs import assert_same_end
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
@@ -39,12 +39,12 @@ def _requirements() -> Iterator[None]:
         ("mount", "mount"),
         ("nsenter", "util-linux"),
         ("getent", "libc-bin"),
-        ("kubectl", "kubectl 1.21 or newer, a prerequisite (README.md)"),
     ):
         require(
             shutil.which(tool) is not None,
             f"{tool} not found: install {package} (scripts/test.sh installs the Debian packages when run as root)",
         )
+    require(kubectl() is not None, KUBECTL_MISSING)
     require(
         (ks.REPO / ".venv" / "bin" / "ddp-job").exists(),
         "the simulated image runs .venv/bin/ddp-job: pip install -e . into .venv",

@@ -32,7 +32,7 @@ from support import k8s_trainjob_sim as ts
 from support import k8s_validate as kv
 from support import lm
 from support import trainjob_status as tjs
-from support.ci import require
+from support.ci import KUBECTL_MISSING, kubectl, require
 from support.runs import assert_same_end
 
 from job.cluster.env import detect_env
@@ -49,8 +49,9 @@ RUNWAY = {"straggler_delay_s": 0.5, "straggler_rank": 0}  # a testing aid (no ef
 @pytest.fixture(scope="module", autouse=True)
 def _requirements() -> Iterator[None]:
     require(os.geteuid() == 0, "the Trainer v2 simulation needs root (network namespaces, mounts)")
-    for tool in ("ip", "mount", "getent", "kubectl"):
+    for tool in ("ip", "mount", "getent"):
         require(shutil.which(tool) is not None, f"{tool} not found (scripts/test.sh installs the Debian packages)")
+    require(kubectl() is not None, KUBECTL_MISSING)
     require((ks.REPO / ".venv" / "bin" / "ddp-job").exists(), "the simulated image runs .venv/bin/ddp-job")
     yield
 

@@ -10,7 +10,6 @@ the validator to name it.
 from __future__ import annotations
 
 import copy
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 import yaml
 from support import k8s_trainjob_validate as tv
 from support import k8s_validate as kv
-from support.ci import require
+from support.ci import KUBECTL_MISSING, kubectl, require
 
 ROOT = kv.K8S / "trainjob"
 OVERLAYS = sorted(p.parent for p in (ROOT / "overlays").glob("*/kustomization.yaml"))
@@ -29,7 +28,7 @@ NODE = f"{POD}/containers/0"
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    require(shutil.which("kubectl") is not None, "kubectl not found: install the Kubernetes client")
+    require(kubectl() is not None, KUBECTL_MISSING)
     docs = {p.name: kv.render(p) for p in OVERLAYS}
     docs["trainjob.yaml"] = kv.load(kv.K8S / "trainjob.yaml")
     return docs

