@@ -25,6 +25,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 EXIT_OK = 0
@@ -138,6 +139,23 @@ class NonFiniteStateError(CheckpointWriteError):
 
 class CheckpointLoadError(JobError, RuntimeError):
     """A checkpoint verified but cannot be loaded safely (weights_only=True refused it)."""
+
+
+class CorruptCheckpointError(CheckpointLoadError):
+    """Files of a checkpoint do not match the sha256 its manifest holds for them, as every rank agreed: a resume falls
+    back to the checkpoint before it.
+
+    Args:
+        path: the checkpoint.
+        found: what each rank found, e.g. ``"rank 1: shards/__1_0.distcp (item ...) does not match its sha256"``.
+    """
+
+    def __init__(self, path: Path, found: list[str]) -> None:
+        super().__init__(
+            f"checkpoint {path} is corrupt: {'; '.join(found)}.",
+            f"move {path} out of the run directory to use the one before (nothing was deleted).",
+        )
+        self.path, self.found = path, list(found)
 
 
 class NonFiniteError(JobError, RuntimeError):

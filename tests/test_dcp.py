@@ -124,8 +124,9 @@ def test_a_checkpoint_of_the_earlier_format_still_resumes_under_either_strategy(
 
 @pytest.mark.integration
 def test_a_corrupt_shard_only_rank_1_hashes_makes_both_ranks_fall_back(runs: dict[str, Any], tmp_path: Path) -> None:
-    """On resume each rank hashes its share of the files (rank 1: the shard file it wrote); a flipped byte in rank
-    1's shard of step 6 makes both ranks skip it and resume from step 5, and nothing is deleted."""
+    """On resume each rank verifies the items it reads (at the same world size, rank 1 reads the shard file it
+    wrote); a flipped byte in rank 1's shard of step 6 makes both ranks skip it and resume from step 5, and nothing
+    is deleted."""
     run_dir = tmp_path / "runs" / "corrupt"
     run_dir.mkdir(parents=True)
     for step in (5, 6):
@@ -222,7 +223,7 @@ def test_ddp_shards_refuse_non_finite_values_and_an_ema_enabled_on_resume_starts
         fsdp.init_optimizer_state(opt)
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
-        tmp, _ = Sharded(model, opt, 0).save(tmp_path, "step-0000001", True)
+        tmp, _, _ = Sharded(model, opt, 0).save(tmp_path, "step-0000001", True)
         with torch.no_grad():
             model.weight[1, 2] = float("nan")
         with pytest.raises(NonFiniteStateError):
@@ -232,7 +233,7 @@ def test_ddp_shards_refuse_non_finite_values_and_an_ema_enabled_on_resume_starts
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
         fsdp.init_optimizer_state(fresh_opt)
         ema = Averaged(fresh)
-        Sharded(fresh, fresh_opt, 0, ema=ema).load(tmp, {})
+        Sharded(fresh, fresh_opt, 0, ema=ema).load(tmp, {}, {})
         assert ema.loaded_none and ema.updates == 0
         assert torch.equal(fresh.bias, model.bias) and int(fresh_opt.state[fresh.bias]["step"]) == 1
     finally:

@@ -329,7 +329,7 @@ def test_optimizer_state_covers_every_parameter_so_a_sharded_load_finds_its_keys
         Sharded(model, opt, 0).save(tmp_path, "ckpt", True)
         loaded, loaded_opt = build()
         fsdp.init_optimizer_state(loaded_opt)
-        Sharded(loaded, loaded_opt, 0).load(tmp_path / "ckpt.tmp-shards", {})
+        Sharded(loaded, loaded_opt, 0).load(tmp_path / "ckpt.tmp-shards", {}, {})
         assert len(loaded_opt.state) == 4
     finally:
         dist.destroy_process_group()

@@ -73,8 +73,9 @@ class Checkpointer:
     def restore(self, found: Found) -> None:
         saved = load_state(found)
         self.states.load_state_dict(saved)
-        if self.manager.sharded is not None:
-            self.manager.sharded.load(found.path, saved)
+        if self.manager.sharded is not None:  # verified as it is read: CorruptCheckpointError on every rank
+            self.manager.sharded.load(found.path, saved, found.manifest.get("files", {}))
+        self.manager.resumed_from(found)
         self.saved_step = found.step
         self._run_time_s = float(found.manifest.get(RUN_TIME, 0.0))
         self._stop_saves = int(found.manifest.get(STOP_SAVES, 0))

@@ -208,10 +208,10 @@ def settle(
     check: Callable[[Any], None] | None = None,
 ) -> Any:
     """Every rank: the checkpoint to resume from, ``found`` (sizes checked in preflight) or an older one, hashed by
-    all ranks together. Each rank hashes its share of the files (job.checkpoint.store.share), one small all-gather
-    shares the verdicts, and a file found corrupt by any rank makes every rank fall back to the next older
-    checkpoint in ``run_dir`` (None: none) (``check``: whether that one may be resumed, as preflight checked
-    ``found``). Nothing is deleted.
+    all ranks together. Each rank hashes its share of the files that are not verified as they are read
+    (job.checkpoint.store.hashed_on_resume, .share), one small all-gather shares the verdicts, and a file found
+    corrupt by any rank makes every rank fall back to the next older checkpoint in ``run_dir`` (None: none)
+    (``check``: whether that one may be resumed, as preflight checked ``found``). Nothing is deleted.
 
     Raises:
         CheckpointLoadError: the ranks found different checkpoints, or none verifies.
@@ -224,25 +224,38 @@ def settle(
         agree_on_checkpoint(found, group)
         if found is None:
             return None
-        mine = ckpt.check_hashes(found.path, found.manifest, ckpt.share(found.manifest["files"], rank, world_size))
+        hashed = ckpt.hashed_on_resume(found.manifest["files"])
+        mine = ckpt.check_hashes(found.path, found.manifest, ckpt.share(hashed, rank, world_size))
         verdicts: list[Any] = [None] * world_size
         dist.all_gather_object(verdicts, mine, group=group)
         bad = [f"rank {r}: {why}" for r, why in enumerate(verdicts) if why]
         if not bad:
             return found
-        log.warning("skipping checkpoint %s: %s", found.path, "; ".join(bad))
-        older = None
-        if run_dir is not None:
-            older = ckpt.find_latest(run_dir, hashes=False, below=found.step)
-        if older is None:
-            raise CheckpointLoadError(
-                f"checkpoint {found.path} is corrupt ({'; '.join(bad)}) and no older one verifies.",
-                f"restore the step-* directories of {found.path.parent} from a copy, or move them away to start "
-                "afresh (nothing was deleted).",
-            )
-        if check is not None:
-            check(older)
-        found = older
+        found = older_than(found, run_dir, bad, check)
+
+
+def older_than(found: Any, run_dir: Path | None, bad: list[str], check: Callable[[Any], None] | None = None) -> Any:
+    """Every rank, once all ranks refused ``found`` (``bad``: what each found): the next older checkpoint in
+    ``run_dir``, its sizes checked, not yet hashed (``check``: whether it may be resumed).
+
+    Raises:
+        CheckpointLoadError: there is none.
+    """
+    from job.checkpoint import store as ckpt
+
+    log.warning("skipping checkpoint %s: %s", found.path, "; ".join(bad))
+    older = None
+    if run_dir is not None:
+        older = ckpt.find_latest(run_dir, hashes=False, below=found.step)
+    if older is None:
+        raise CheckpointLoadError(
+            f"checkpoint {found.path} is corrupt ({'; '.join(bad)}) and no older one verifies.",
+            f"restore the step-* directories of {found.path.parent} from a copy, or move them away to start "
+            "afresh (nothing was deleted).",
+        )
+    if check is not None:
+        check(older)
+    return older
 
 
 def agree_on_checkpoint(found: Any, group: Any = None) -> None:

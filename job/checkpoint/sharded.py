@@ -7,15 +7,19 @@ Layout inside a step directory (job.checkpoint.store commits it; nothing here re
     step-0000120/
         shards/         DCP: one ``__<rank>_0.distcp`` per rank and ``.metadata`` (written by rank 0 last)
         state.pt        rank 0: layout, progress, schedule, scaler, every rank's RNG, guard counters
-        manifest.json   written LAST by rank 0: size + sha256 of every file above, shards included
+        manifest.json   written LAST by rank 0: size + sha256 of every file above, and of each item of the shards
     The shards hold the model, the optimizer (unless ``optim.zero``: ZeroRedundancyOptimizer's consolidated state
     stays in state.pt) and the EMA where enabled.
 
 One format for both strategies. Under fsdp the parameters are already DTensors of this rank's dim-0 chunk. Under
 ddp every rank holds the whole tensors; each is saved as the same dim-0 chunks (``_chunked``: a view of this rank's
 rows, nothing copied), so every rank writes 1/world_size of the state and the checkpoint is laid out as an fsdp
-one. A load reads this rank's chunks and all-gathers them (``_loaded``): storage is read about once per checkpoint,
-not once per rank. 0-d tensors (optimizer steps, the EMA's count) stay whole; DCP writes them once.
+one. A load reads this rank's chunks and all-gathers them (``_merge_gathered``). 0-d tensors (optimizer steps, the
+EMA's count) stay whole; DCP writes them once.
+
+Every rank hashes what it writes while writing it, and verifies what it reads while reading it, each stored item
+read once over all ranks at any pair of world sizes (job.checkpoint.verified): rank 0 commits with the digests DCP
+gathered, reading nothing back.
 
 A save goes to the step's ``.tmp-shards`` directory; DCP returns on every rank only after rank 0 gathered every
 rank's write results and wrote ``.metadata``, so when rank 0 then writes the manifest and renames the directory,
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -53,7 +58,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from job.checkpoint.snapshot import HostStaging
-from job.errors import CheckpointLoadError, NonFiniteStateError
+from job.checkpoint.verified import HashingWriter, VerifyingReader, digests_of
+from job.errors import CheckpointLoadError, CorruptCheckpointError, NonFiniteStateError
 from job.parallel.distributed import broadcast_buffers
 
 log = logging.getLogger("job")
@@ -127,9 +133,12 @@ class Sharded:
             out["ema"] = {"module": get_model_state_dict(self.ema.module), "n_averaged": self.ema.averaged.n_averaged}
         return out
 
-    def save(self, run_dir: Path, step_name: str, is_main: bool, background: bool = False) -> tuple[Path, Any]:
+    def save(
+        self, run_dir: Path, step_name: str, is_main: bool, background: bool = False
+    ) -> tuple[Path, Any, HashingWriter]:
         """Every rank: write this rank's shards under the step's temporary directory, returned for the commit with
-        the write's future (None: written when this returns). ``background``: copy them to host memory now
+        the write's future (None: written when this returns) and its writer (on rank 0, once written, ``files``: the
+        digests of every rank's files). ``background``: copy them to host memory now
         (reused buffers, pinned on CUDA), write them in a thread; the future completes on every rank once every
         rank's shards and ``.metadata`` are on storage.
 
@@ -149,16 +158,17 @@ class Sharded:
         if self.replicated:
             state = _map_tensors(state, self._chunk)
         self._refuse_nonfinite(state, run_dir / step_name, tmp, is_main)
+        writer = HashingWriter(tmp / SHARDS)
         if not background:
-            dcp.save(state, checkpoint_id=tmp / SHARDS)
-            return tmp, None
+            dcp.save(state, storage_writer=writer)
+            return tmp, None, writer
         if self._save_group is None:  # the writer thread's collectives, apart from training's (every rank, once)
             self._save_group = dist.new_group(backend="gloo")
         staged = self._staged(state)
         future = dcp.async_save(
-            staged, checkpoint_id=tmp / SHARDS, process_group=self._save_group, async_stager=_AlreadyStaged()
+            staged, storage_writer=writer, process_group=self._save_group, async_stager=_AlreadyStaged()
         )
-        return tmp, future
+        return tmp, future, writer
 
     def _staged(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` in host memory: each tensor's local part copied into its reused buffer, the chunks wrapped
@@ -184,40 +194,53 @@ class Sharded:
             "lower optim.lr, set train.grad_clip_norm, or check the data.",
         )
 
-    def load(self, path: Path, saved: dict[str, Any]) -> None:
+    def load(self, path: Path, saved: dict[str, Any], files: dict[str, Any]) -> None:
         """Every rank: read this rank's part of the checkpoint at ``path`` (any world size, either strategy);
-        ``saved``: its state.pt, which holds the whole state of a checkpoint without shards.
+        ``saved``: its state.pt, which holds the whole state of a checkpoint without shards; ``files``: its
+        manifest's entries, against which every item is verified as it is read.
 
         Raises:
+            CorruptCheckpointError: on every rank, when any rank read an item that does not match its sha256.
             CheckpointLoadError: on every rank, naming the checkpoint and the rank(s) that failed.
         """
         whole: dict[str, Any] = {}
         state: dict[str, Any] = {}
         error = ""
+        reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), self.group)
         try:
             if self.fail_load:
                 raise OSError("debug.fail_load_rank: load failure injected")
-            whole, state = self._targets(path)
+            whole, state = self._targets(path, reader)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
+        self._raise_if_corrupt(reader.corrupt, path)
         self._raise_if_any(error, path, "preparing the load")
         try:
             if state:
-                dcp.load(state, checkpoint_id=path / SHARDS)
+                dcp.load(state, storage_reader=reader)
             if self.replicated:
                 state = _merge_gathered(whole, state)
             self._apply(state, saved)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
             error = f"{type(e).__name__}: {str(e).strip()[:500]}"
+        self._raise_if_corrupt(reader.corrupt, path)
         self._raise_if_any(error, path, "loading the shards")
+        self.bytes_read = reader.bytes_read
 
-    def _targets(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _raise_if_corrupt(self, corrupt: list[str], path: Path) -> None:
+        every: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, corrupt, group=self.group)
+        found = sorted({c for rank_found in every for c in rank_found})
+        if found:
+            raise CorruptCheckpointError(path, found)
+
+    def _targets(self, path: Path, reader: VerifyingReader) -> tuple[dict[str, Any], dict[str, Any]]:
         """(this object's state dict, what DCP loads into in place): the state dict less what the shards lack (an
         EMA enabled on resume; an optimizer that state.pt holds), under ddp as fresh chunks to gather. Both empty:
         a checkpoint without shards."""
         if not (path / SHARDS).is_dir():
             return {}, {}
-        held = held_parts(path)
+        held = _parts_of(reader.read_metadata())
         state = {k: v for k, v in self.state_dict().items() if k in held}
         if self.replicated:
             return state, _map_tensors(state, self._empty_chunk)
@@ -286,23 +309,37 @@ def _rows(t: torch.Tensor) -> slice:
 
 def held_parts(path: Path) -> set[str]:
     """The top-level keys (``model``, ``optimizer``, ``ema``) the shards of the checkpoint at ``path`` hold."""
-    metadata = dcp.FileSystemReader(path / SHARDS).read_metadata()
+    return _parts_of(dcp.FileSystemReader(path / SHARDS).read_metadata())
+
+
+def _parts_of(metadata: Any) -> set[str]:
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
 
 
-def read_whole(path: Path, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
+def read_whole(path: Path, files: dict[str, Any], parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """``parts`` of the checkpoint at ``path`` as whole tensors, on one process without a process group (a tool,
-    ``model.weights``, a test): the model's state dict; the optimizer's, keyed by parameter names; the EMA as
-    AveragedModel's state dict (``module.<name>`` and ``n_averaged``), as state.pt held them."""
+    ``model.weights``, a test), verified against ``files`` (its manifest's entries) as they are read: the model's
+    state dict; the optimizer's, keyed by parameter names; the EMA as AveragedModel's state dict (``module.<name>``
+    and ``n_averaged``), as state.pt held them.
+
+    Raises:
+        CorruptCheckpointError: an item does not match its sha256."""
     # What torch's dcp_to_torch_save does: a state dict rebuilt from .metadata (dcp.load would fill a copy).
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    wanted = held_parts(path) & set(parts)
-    state: dict[str, Any] = {}
-    if wanted:
-        reader = dcp.FileSystemReader(path / SHARDS)
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=wanted), no_dist=True)
+    reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), alone=True)
+    try:
+        wanted = _parts_of(reader.read_metadata()) & set(parts)
+        state: dict[str, Any] = {}
+        if wanted:
+            _load_state_dict(
+                state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=wanted), no_dist=True
+            )
+    except (Exception, CheckpointException):
+        if reader.corrupt:
+            raise CorruptCheckpointError(path, reader.corrupt) from None
+        raise
     if "ema" in state:
         ema = state["ema"]
         state["ema"] = {**{f"module.{k}": v for k, v in ema["module"].items()}, "n_averaged": ema["n_averaged"]}

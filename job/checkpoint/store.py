@@ -5,18 +5,22 @@ Format (one for both strategies; job.checkpoint.sharded writes the shards):
     run_dir/step-0000120/
         shards/         model, optimizer and EMA: every rank's own part, written with torch.distributed.checkpoint
         state.pt        trainer state, scheduler, scaler, RNG of every rank (rank 0); under optim.zero the optimizer
-        manifest.json   written LAST: sizes + sha256 of every file, step, world size, resolved config
+        manifest.json   written LAST: sizes + sha256 of every file (and of each item of the shards), step, world
+                        size, resolved config
 
 A checkpoint written before the shards existed holds the model, optimizer and EMA in state.pt; it still resumes.
 The manager without ``sharded`` writes whatever state it is handed into state.pt (the benchmarks use that).
 
 A save goes to ``step-0000120.tmp-<pid>-<n>/`` (``.tmp-shards`` with shards); every file is fsynced, then the manifest, then the
-directory is renamed and the parent fsynced. A directory counts as a checkpoint only if its name is final
+directory is renamed and the parent fsynced. Every file is hashed while it is written, by the rank that writes it
+(job.checkpoint.digest); rank 0 commits with the digests DCP gathered and reads nothing back. A directory counts as a checkpoint only if its name is final
 AND its manifest verifies, so a crash, a full disk or a second signal mid-save leaves at worst a ``.tmp``
 directory that is ignored and cleaned up later. "Latest" is found by scanning, never by a pointer file.
-Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code. On resume each rank hashes
-a share of the files (``share``) and the ranks agree on the verdict (job.checkpoint.resume.settle): storage is read
-about once per checkpoint, not once per rank.
+Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code. On resume the shards are
+verified item by item as they are read, each item by the one rank that reads it (job.checkpoint.verified); the
+ranks hash the other files (state.pt; the shards of a checkpoint written before item digests) each a share
+(``share``), and agree on the verdict (job.checkpoint.resume.settle). Pruning trusts the manifests this process
+wrote or verified, and reads nothing but manifests.
 
 Async saving: ``save()`` copies state into reused host buffers on the caller's thread (the only blocking
 part; job.checkpoint.snapshot), then a background thread serialises and writes. At most one save is in flight; ``wait()`` joins it.
@@ -36,12 +40,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
+from job.checkpoint.digest import EMPTY_SHA256, Recorder
 from job.checkpoint.sharded import SHARDS, Sharded, read_whole
 from job.checkpoint.snapshot import HostStaging, to_host
+from job.checkpoint.verified import HashingWriter
 from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
 
 log = logging.getLogger("job")
@@ -122,6 +128,16 @@ def check_hashes(path: Path, manifest: dict[str, Any], names: list[str]) -> str:
     return ""
 
 
+def hashed_on_resume(files: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's entries that the ranks hash together on resume: all but the shards' files with item digests,
+    which are verified as they are read (job.checkpoint.verified) and ``.metadata`` (likewise)."""
+    return {
+        name: entry
+        for name, entry in files.items()
+        if not (name.startswith(f"{SHARDS}/") and ("items" in entry or name == f"{SHARDS}/.metadata"))
+    }
+
+
 def share(files: dict[str, Any], rank: int, world_size: int) -> list[str]:
     """The files of a manifest that ``rank`` hashes when the ranks verify a checkpoint together: the shards its rank
     number wrote, then the rest, largest first, each to the rank with the fewest bytes so far. Every rank computes
@@ -187,10 +203,14 @@ def load_state(found: Found) -> dict[str, Any]:
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """The whole state of the checkpoint at ``path`` on one process (a tool, a test): its state.pt, with the model,
-    optimizer and EMA that its shards hold as whole tensors (job.checkpoint.sharded.read_whole)."""
+    optimizer and EMA that its shards hold as whole tensors, verified as they are read against its manifest where it
+    has one (job.checkpoint.sharded.read_whole)."""
     state = load_state(Found(0, path, {}))
     if (path / SHARDS).is_dir():
-        state.update(read_whole(path))
+        files: dict[str, Any] = {}
+        if (path / MANIFEST).is_file():
+            files = json.loads((path / MANIFEST).read_text()).get("files", {})
+        state.update(read_whole(path, files))
     return state
 
 
@@ -207,9 +227,18 @@ def nonfinite_entries(obj: Any, prefix: str = "") -> list[str]:
 
 
 def _write_checkpoint(
-    run_dir: Path, step: int, state: dict[str, Any], meta: dict[str, Any], tmp: Path | None = None
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    tmp: Path | None = None,
+    shard_files: dict[str, Any] | None = None,
+    trusted: frozenset[Path] = frozenset(),
 ) -> Path:
-    """``tmp``: the directory the ranks' shards were written to (job.checkpoint.sharded), committed with the rest."""
+    """``tmp``: the directory the ranks' shards were written to (job.checkpoint.sharded), committed with the rest;
+    ``shard_files``: their digests, taken by the ranks that wrote them (job.checkpoint.verified.HashingWriter.files).
+    A checkpoint of the same step already in ``run_dir`` is kept if it is ``trusted`` (this process wrote or
+    verified it), else replaced (resume fell back past it)."""
     final = run_dir / step_dir_name(step)
     if tmp is None:
         tmp = run_dir / f"{final.name}.tmp-{os.getpid()}-{threading.get_ident() % 10000}"
@@ -224,13 +253,12 @@ def _write_checkpoint(
             "lower optim.lr, set train.grad_clip_norm, or check the data.",
         )
     try:
-        state_path = tmp / STATE_FILE
-        with state_path.open("wb") as f:
-            torch.save(state, f)
+        recorder = Recorder()
+        with recorder.create(tmp / STATE_FILE) as f:
+            torch.save(state, cast(IO[bytes], f))
             f.flush()
             os.fsync(f.fileno())
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        listed = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        listed = _listed(tmp, recorder.digests[STATE_FILE].entry(items=False), shard_files or {})
         manifest = dict(meta, step=step, files=listed)
         mpath = tmp / MANIFEST
         with mpath.open("w") as f:
@@ -239,7 +267,7 @@ def _write_checkpoint(
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         if final.exists():
-            if verify(final)[0]:
+            if final in trusted:
                 # Same step saved before (e.g. preempted right after a periodic save): keep the one on disk.
                 shutil.rmtree(tmp, ignore_errors=True)
                 return final
@@ -265,6 +293,24 @@ def _write_checkpoint(
             f"{free / 2**20:.1f} MiB are free on that filesystem. Earlier checkpoints are intact.",
             "free space, lower ckpt.keep_last, or point run.output_dir elsewhere.",
         ) from e
+
+
+def _listed(tmp: Path, state_entry: dict[str, Any], shard_files: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's files: state.pt and every rank's shards, from the digests taken while they were written. The
+    directory is listed (no file is read) so that nothing in it goes unlisted: a rank with nothing to write left
+    an empty file that no digest names.
+
+    Raises:
+        OSError: a file that no digest covers."""
+    listed = {STATE_FILE: state_entry, **{f"{SHARDS}/{name}": entry for name, entry in shard_files.items()}}
+    for p in sorted(tmp.rglob("*")):
+        name = p.relative_to(tmp).as_posix()
+        if name in listed or not p.is_file():
+            continue
+        if p.stat().st_size:
+            raise OSError(0, f"{p} was written but no rank reported its digest")
+        listed[name] = {"size": 0, "sha256": EMPTY_SHA256}
+    return dict(sorted(listed.items()))
 
 
 def _os_error(e: BaseException | None) -> OSError | None:
@@ -323,9 +369,20 @@ class CheckpointManager:
         self._staging = HostStaging() if async_save and is_main else None
         self.last_write_s = 0.0
         """How long the newest finished write took (serialise, fsync, rename; rank 0)."""
+        self.trusted: set[Path] = set()
+        """Checkpoints this process wrote (hashed while written) or verified as it loaded them: pruning counts them
+        without reading them."""
+        self.broken: set[Path] = set()
+        """Checkpoints a resume found corrupt: pruning never counts them."""
         self.committed: tuple[int, float] | None = None
         """(step, ``time.monotonic()`` when its state was taken) of the newest checkpoint this process has on
         storage (rank 0; None: none yet): an async save counts once its write is complete, not while in flight."""
+
+    def resumed_from(self, found: Found) -> None:
+        """The run resumed from ``found``, verified as it was loaded; every newer checkpoint here was refused by the
+        resume (it picks the newest that verifies)."""
+        self.trusted.add(found.path)
+        self.broken = {path for step, path in scan(self.run_dir) if step > found.step}
 
     def clean_stale_tmp(self) -> None:  # also pruned checkpoints whose deletion was interrupted (_delete)
         """Remove torn saves left by a crash (never valid, never loaded)."""
@@ -340,9 +397,11 @@ class CheckpointManager:
         here it is only evaluated on rank 0.
         """
         self.wait()  # at most one save in flight; also surfaces a background failure
-        shards, written = None, None
+        shards, written, writer = None, None, None
         if self.sharded is not None:  # async: staged in host memory here, written by DCP's thread
-            shards, written = self.sharded.save(self.run_dir, step_dir_name(step), self.is_main, self.async_save)
+            shards, written, writer = self.sharded.save(
+                self.run_dir, step_dir_name(step), self.is_main, self.async_save
+            )
         if not self.is_main:
             self._shards_written = written
             return
@@ -352,7 +411,7 @@ class CheckpointManager:
         if self.async_save:
             self._thread = threading.Thread(
                 target=self._write_and_prune,
-                args=(step, state, meta, taken, shards, written),
+                args=(step, state, meta, taken, shards, written, writer),
                 name="ckpt-writer",
                 daemon=False,
             )
@@ -360,7 +419,7 @@ class CheckpointManager:
             # Logged once the writer runs, so "in flight" is true for anyone who reacts to this line.
             log.info("writing checkpoint %s in the background", self.run_dir / step_dir_name(step))
         else:
-            self._write_and_prune(step, state, meta, taken, shards)
+            self._write_and_prune(step, state, meta, taken, shards, None, writer)
             self._raise_pending()
 
     def _write_and_prune(
@@ -371,16 +430,20 @@ class CheckpointManager:
         taken: float,
         shards: Path | None = None,
         written: Future[Any] | None = None,
+        writer: HashingWriter | None = None,
     ) -> None:
         """``shards``: the directory every rank's shards went to; ``written``: their background write, complete on
-        every rank when it completes here (DCP's rank 0 gathers every rank's results, then writes .metadata)."""
+        every rank when it completes here (DCP's rank 0 gathers every rank's results, then writes .metadata);
+        ``writer``: its digests of every rank's files, complete then too."""
         try:
             t0 = time.perf_counter()
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
             if written is not None:
                 written.result()
-            path = _write_checkpoint(self.run_dir, step, state, meta, shards)
+            shard_files = writer.files if writer is not None else None
+            path = _write_checkpoint(self.run_dir, step, state, meta, shards, shard_files, frozenset(self.trusted))
+            self.trusted.add(path)
             self.last_write_s = time.perf_counter() - t0
             self.committed = (step, taken)  # one assignment: a reader on another thread sees old or new
             log.info("saved checkpoint %s", path)
@@ -418,13 +481,14 @@ class CheckpointManager:
             log.error("the last checkpoint write failed: %s", e)
 
     def prune(self, just_written: Path | None = None) -> None:
-        """Keep the newest ``keep_last`` checkpoints that verify; delete older ones. Broken newer ones do not
-        count towards K, so the only valid checkpoint is never deleted. ``just_written`` was hashed from
-        the fsynced file moments ago: re-reading it would double the I/O of every save."""
+        """Keep the newest ``keep_last`` valid checkpoints; delete older ones. Valid: ``trusted`` (this process
+        wrote or verified it), else not ``broken`` and complete by its manifest and sizes (``inspect``: no file
+        but the manifest is read). Broken newer ones do not count towards K, so the only valid checkpoint is never
+        deleted."""
         valid = 0
         for _step, path in scan(self.run_dir):
             if valid >= self.keep_last:
                 _delete(path)
                 continue
-            ok = path == just_written or verify(path)[0]
+            ok = path == just_written or path in self.trusted or (path not in self.broken and inspect(path)[0])
             valid += ok

@@ -57,7 +57,9 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
             found, saved = settled, checkpoint_state(settled, cfg)
         parts = build_parts(cfg, env, plan, rt, task, checked, initial_weights=False)
         # Either strategy's checkpoint (shards, or a whole state.pt) into this run's model, sharded or not.
-        Sharded(parts.raw_model, None, env.rank, rt.control_group, ema=parts.ema).load(found.path, saved)
+        Sharded(parts.raw_model, None, env.rank, rt.control_group, ema=parts.ema).load(
+            found.path, saved, found.manifest.get("files", {})
+        )
         results = Evaluator(parts, 0, 0, metrics.NullWriter()).results(found.step)
         if env.is_main:
             report(results, found, cfg, env)

@@ -23,7 +23,7 @@ import torch
 from job.checkpoint import cadence
 from job.checkpoint import store as ckpt
 from job.checkpoint.checkpointer import Checkpointer
-from job.checkpoint.resume import check_resumable, find_resume, settle
+from job.checkpoint.resume import check_resumable, find_resume, older_than, settle
 from job.checkpoint.sharded import Sharded
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
@@ -32,7 +32,7 @@ from job.cluster.stop import clear_record
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
 from job.doctor import phases as doctor
-from job.errors import EXIT_PREEMPTED, BadInput
+from job.errors import EXIT_PREEMPTED, BadInput, CorruptCheckpointError
 from job.observe import metrics, report
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
@@ -213,6 +213,24 @@ def settle_resume(cfg: JobConfig, env: DistEnv, pre: Preflight, rt: distributed.
     return replace(pre, found=found)
 
 
+def restore(
+    checkpointer: Checkpointer, found: ckpt.Found, cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime
+) -> None:
+    """Restore ``found``, or, where every rank refused one of its shards as it read it, the newest older checkpoint
+    that loads (each is verified as it is read: job.checkpoint.verified)."""
+
+    def resumable(older: ckpt.Found) -> None:
+        check_resumable(older.manifest, cfg, env.world_size, plan.micro_batch_size)
+
+    while True:
+        try:
+            checkpointer.restore(found)
+            return
+        except CorruptCheckpointError as e:
+            older = older_than(found, cfg.run_dir, e.found, resumable)
+            found = settle(older, cfg.run_dir, env.rank, env.world_size, rt.control_group, resumable)
+
+
 def build_run(
     cfg: JobConfig,
     env: DistEnv,
@@ -237,7 +255,7 @@ def build_run(
     cleanup.callback(checkpointer.manager.close)
     stop.busy = checkpointer.manager.in_flight
     if found is not None:
-        checkpointer.restore(found)
+        restore(checkpointer, found, cfg, env, pre.plan, rt)
     checkpointer.start(state.step)
     writer.text("config", "```\n" + dump_config(cfg) + "\n```", state.step)
     observer = observe.Observer(
