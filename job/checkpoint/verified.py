@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from job.checkpoint.digest import EMPTY_SHA256, FileDigest, Recorder, sha256_of
+from job.checkpoint.digest import FileDigest, Recorder, sha256_of
 
 METADATA = ".metadata"
 
@@ -347,8 +347,3 @@ def digests_of(files: dict[str, dict[str, Any]], folder: str) -> dict[str, dict[
     """The manifest's entries of the files under ``folder``, by name inside it."""
     prefix = f"{folder}/"
     return {name.removeprefix(prefix): entry for name, entry in files.items() if name.startswith(prefix)}
-
-
-def empty_entry() -> dict[str, Any]:
-    """The entry of an empty file (a rank that had nothing to write still creates its file)."""
-    return {"size": 0, "sha256": EMPTY_SHA256}
