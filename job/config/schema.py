@@ -400,6 +400,33 @@ class LogConfig(BaseModel):
     """tqdm progress bar on rank 0 (auto: only when stdout is a terminal)."""
 
 
+class TrackersConfig(BaseModel):
+    """Experiment trackers beside TensorBoard (docs/trackers.md): each log step's record, the validation and final
+    metrics, the resolved config as params and the run's tags, sent by rank 0 from a thread of its own. One tracker
+    run per training run across every preemption: its id is kept in <run_dir>/trackers.json. An empty setting
+    takes the tracker's own environment variable, so what a user already exports applies."""
+
+    model_config = _SECTION
+    mlflow: bool = False
+    """Send the run to an MLflow tracking server."""
+    mlflow_tracking_uri: str = ""
+    """The MLflow tracking server (http://host:5000); empty: MLFLOW_TRACKING_URI. Credentials go in
+    MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD, never here (the config is logged)."""
+    mlflow_experiment: str = ""
+    """The MLflow experiment (created if missing); empty: MLFLOW_EXPERIMENT_NAME, else MLflow's Default."""
+    wandb: bool = False
+    """Send the run to Weights & Biases (WANDB_API_KEY from the environment)."""
+    wandb_project: str = ""
+    """The W&B project; empty: WANDB_PROJECT, else W&B's own default."""
+    wandb_mode: Literal["", "online", "offline"] = ""
+    """online, or offline (files only, `wandb sync` uploads them later); empty: WANDB_MODE, else online."""
+    wandb_dir: str = ""
+    """Where W&B writes its files; empty: WANDB_DIR, else the run directory."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A tracker request that takes longer fails (and is retried later): the longest a stop or the run's end waits
+    for a tracker that is down. Training itself never waits for a tracker."""
+
+
 class DdpConfig(BaseModel):
     """DistributedDataParallel knobs and gradient communication (see docs/efficiency.md)."""
 
@@ -560,6 +587,8 @@ class JobConfig(BaseSettings):
     """Checkpointing."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""
+    trackers: TrackersConfig = Field(default_factory=TrackersConfig)
+    """Experiment trackers (MLflow, Weights & Biases)."""
     ddp: DdpConfig = Field(default_factory=DdpConfig)
     """DDP knobs and communication hooks."""
     fsdp: FsdpConfig = Field(default_factory=FsdpConfig)

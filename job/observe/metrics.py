@@ -15,6 +15,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,7 @@ class JsonlSink(NullWriter):
 class StepRecords(NullWriter):
     """The one home of a step's scalars: every component (training log, observer, evaluation, checkpoint
     cadence, final results) adds its values to the record of the step; the record goes to each sink (TensorBoard,
-    ``metrics.jsonl``) once, when the loop commits the step or a later step's values arrive."""
+    ``metrics.jsonl``, the experiment trackers) once, when the loop commits the step or a later step's values arrive."""
 
     def __init__(self, sinks: list[NullWriter], tensorboard: NullWriter) -> None:
         self.sinks, self.tensorboard = sinks, tensorboard
@@ -139,7 +140,8 @@ class StepRecords(NullWriter):
         self.tensorboard.text(tag, text, step)
 
     def hparams(self, hparams: dict[str, Any], metrics: dict[str, float]) -> None:
-        self.tensorboard.hparams(hparams, metrics)
+        for sink in self.sinks:  # the end of a completed run, to each sink that takes it
+            sink.hparams(hparams, metrics)
 
     def flush(self) -> None:
         self.commit()
@@ -152,12 +154,15 @@ class StepRecords(NullWriter):
             sink.close()
 
 
-def build_writer(tensorboard: bool, is_main: bool, run_dir: Path, jsonl: bool = False) -> NullWriter:
-    """Rank 0's step records, to TensorBoard (``log.tensorboard``) and ``metrics.jsonl`` (``log.jsonl``)."""
-    if not is_main or not (tensorboard or jsonl):
+def build_writer(
+    tensorboard: bool, is_main: bool, run_dir: Path, jsonl: bool = False, trackers: Sequence[NullWriter] = ()
+) -> NullWriter:
+    """Rank 0's step records, to TensorBoard (``log.tensorboard``), ``metrics.jsonl`` (``log.jsonl``) and the
+    experiment trackers' sinks (``job.observe.trackers``)."""
+    if not is_main or not (tensorboard or jsonl or trackers):
         return NullWriter()
     tb: NullWriter = NullWriter()
-    sinks: list[NullWriter] = []
+    sinks: list[NullWriter] = [*trackers]
     if tensorboard:
         tb = TensorBoardWriter(run_dir / "tb")
         sinks.append(tb)

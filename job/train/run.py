@@ -33,7 +33,7 @@ from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.plan import Plan, make_plan
 from job.doctor import phases as doctor
 from job.errors import EXIT_PREEMPTED, BadInput, CorruptCheckpointError
-from job.observe import metrics, report
+from job.observe import metrics, report, trackers
 from job.observe import observer as observe
 from job.parallel import ddp as parallel
 from job.parallel import distributed, fsdp, memory
@@ -76,6 +76,7 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
             value="fp16",
         )
     _check_run_dir(cfg)
+    trackers.check(cfg, os.environ)
     if cfg.ckpt.every == "auto":
         cadence.check_grace(*grace(cfg), cfg.debug.ckpt_write_delay_s)
     found = find_resume(cfg, env.world_size, plan.micro_batch_size)  # refusals exit 2 before any write
@@ -247,8 +248,9 @@ def build_run(
     parts = build_parts(cfg, env, plan, rt, pre.task, pre.checked, initial_weights=found is None)
     state = TrainState()
     debug.install(cfg.debug, env.rank, parts, state)
+    sinks = trackers.build(cfg, env, found is not None, os.environ)
     writer = cleanup.enter_context(
-        contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir, cfg.log.jsonl))
+        contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir, cfg.log.jsonl, sinks))
     )
     checkpointer = _checkpointer(cfg, env, plan, rt, parts, state, writer)
     debug.install_checkpoint(cfg.debug, env.rank, checkpointer)
