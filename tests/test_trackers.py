@@ -76,7 +76,11 @@ class MlflowServer:
         ]
         log = (self.root / "server.log").open("ab")
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=base_env(self.root, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"), start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=base_env(self.root, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+            start_new_session=True,
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -239,3 +243,63 @@ def _wait_for(probe: Any, proc: subprocess.Popen[bytes], log_path: Path, limit_s
         assert proc.poll() is None, f"training ended first ({proc.returncode}): " + log_path.read_text()[-4000:]
         time.sleep(0.1)
     raise AssertionError("not seen in time: " + log_path.read_text()[-4000:])
+
+
+# --- Weights & Biases ------------------------------------------------------------------------------------
+
+
+def wandb_records(run_file: Path) -> list[dict[str, Any]]:
+    """The records of a W&B run file (``run-<id>.wandb``), read by W&B's own reader (``wandb leet inspect``)."""
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(run_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def test_stopped_and_resumed_run_is_one_wandb_run_offline(tmp_path: Path) -> None:
+    """WANDB_MODE=offline: attempt 1 stops after step 1 (exit 143), attempt 2 resumes. Both attempts' files carry
+    the one run id kept in trackers.json (what `wandb sync` uploads as one run); together every step once, equal
+    to metrics.jsonl; the config as W&B's config, the tags as W&B's tags."""
+    run_dir = tmp_path / "runs" / "w"
+    args = [*TINY, "--run.output-dir", str(run_dir.parent), "--run.name", "w", "--trackers.wandb", "true"]
+    home = tmp_path / "wandb-home"  # W&B's settings, cache and data: nothing outside the test's directory
+    env = base_env(
+        tmp_path,
+        WANDB_MODE="offline",
+        WANDB_PROJECT="trackers-test",
+        WANDB_CONFIG_DIR=str(home / "config"),
+        WANDB_CACHE_DIR=str(home / "cache"),
+        WANDB_DATA_DIR=str(home / "data"),
+    )
+    env.pop("WANDB_API_KEY", None)
+    train = [sys.executable, "-m", "job", "train", *args]
+    first = subprocess.run([*train, "--train.max-time", "0.001"], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == EXIT_PREEMPTED, (first.stdout + first.stderr)[-4000:]
+    second = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
+    out = second.stdout + second.stderr
+    assert second.returncode == EXIT_OK, out[-4000:]
+    assert "tracker failed" not in out
+
+    run_id = json.loads((run_dir / trackers.RUNS_FILE).read_text())["wandb"]["run_id"]
+    attempts = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert [a.name.rsplit("-", 1)[1] for a in attempts] == [run_id, run_id], attempts
+    records = [wandb_records(a / f"run-{run_id}.wandb") for a in attempts]
+    steps = [r["history"]["step"]["num"] for rs in records for r in rs if r["type"] == "history"]
+    assert steps == list(range(1, STEPS + 1))
+    expected = jsonl(run_dir)
+    for rs in records:
+        for r in rs:
+            if r["type"] == "history":
+                item = r["history"]["item"]
+                assert item["train/loss"] == pytest.approx(expected[item["_step"]]["train/loss"], rel=1e-6)
+    assert [r["exit"]["exit_code"] for rs in records for r in rs if r["type"] == "exit"] == [EXIT_PREEMPTED, 0]
+    run = next(r["run"] for r in records[0] if r["type"] == "run")
+    cfg = load_config(args, {})
+    assert run["run_id"] == run_id and run["project"] == "trackers-test" and run["display_name"] == "w"
+    assert run["config"]["update"]["optim.lr"] == json.dumps(cfg.optim.lr)
+    assert run["config"]["update"]["tags.checkpoint_dir"] == str(run_dir.absolute())
+    assert {"strategy=ddp", "world_size=1"} <= set(run["tags"])
