@@ -22,6 +22,7 @@ import pytest
 from support.cli import base_env
 from support.runs import tiny_args
 
+from job.cluster.env import detect_env
 from job.config import load_config
 from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
 from job.observe import trackers
@@ -220,6 +221,36 @@ def test_a_server_that_stops_answering_neither_stops_training_nor_loses_steps(
         (s, pytest.approx(jsonl(run_dir)[s]["train/loss"])) for s in range(1, steps + 1)
     ]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_resumed_run_never_sends_a_step_the_tracker_has(tmp_path: Path, server: MlflowServer) -> None:
+    """After a crash the run resumes from an older checkpoint and trains some steps again: the tracker keeps the
+    values it got first for them and takes the steps after them. A fresh start in the same directory (no
+    checkpoint) is a new tracker run."""
+    run_dir = tmp_path / "runs" / "replay"
+    cfg = load_config(
+        ["--run.output-dir", str(run_dir.parent), "--run.name", "replay", "--trackers.mlflow", "true"],
+        {"JOB_TRACKERS__MLFLOW_TRACKING_URI": server.uri, "JOB_TRACKERS__MLFLOW_EXPERIMENT": "replay"},
+    )
+    run_dir.mkdir(parents=True)
+    env = detect_env({})
+
+    def attempt(resumed: bool, steps: range, scale: float) -> None:
+        (sink,) = trackers.build(cfg, env, resumed, {})
+        for step in steps:
+            sink.scalars(step, {"x": scale * step})
+        sink.close()
+
+    attempt(False, range(1, 5), 1.0)  # steps 1-4 reach the tracker, then the crash
+    attempt(True, range(3, 7), 10.0)  # resumed from the checkpoint of step 2: 3 and 4 again, then 5 and 6
+    client = MlflowClient(server.uri)
+    run_id = json.loads((run_dir / trackers.RUNS_FILE).read_text())["mlflow"]["run_id"]
+    assert history(client, run_id, "x") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0)]
+    assert json.loads((run_dir / trackers.RUNS_FILE).read_text())["mlflow"]["last_step"] == 6
+    attempt(False, range(1, 3), 100.0)  # a fresh start: a run of its own
+    experiment = client.get_experiment_by_name("replay")
+    assert len(client.search_runs([experiment.experiment_id])) == 2
+    assert history(client, run_id, "x")[-1] == (6, 60.0)
 
 
 def _step_one(client: MlflowClient, run_dir: Path) -> str | None:

@@ -5,7 +5,7 @@ bounded queue and returns: no I/O, no waiting. One daemon thread per tracker ope
 a fresh start, resumed when the run resumes from a checkpoint), sends the params and tags once, then the queued
 records in batches. A tracker that fails keeps its records queued (the oldest dropped past ``MAX_PENDING``), is
 logged once at WARNING with the setting to fix, again at most every ``FAILURE_REPEAT_S``, and retried with
-backoff; training goes on. ``close`` sends what is left, waiting at most the tracker's timeout plus a request.
+backoff; training goes on. ``close`` sends what is left, waiting at most twice the tracker's timeout.
 
 One tracker run per training run: its id, and the newest step the tracker has, live in ``<run_dir>/trackers.json``
 (``RunsFile``). A resumed attempt reuses the id and never sends a step the tracker already has: after a crash, the
@@ -48,6 +48,8 @@ FAILURE_REPEAT_S = 300.0
 BATCH_RECORDS = 20
 """Records per request: a failed request resends at most these (MLflow appends a value sent twice)."""
 RETRY_MAX_S = 60.0
+CLOSE_RETRY_S = 0.5
+"""Once closing, a failed try is repeated this often until close's wait runs out."""
 """The longest wait between two tries of a tracker that is down (doubling from one second)."""
 _CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 
@@ -364,6 +366,7 @@ class TrackerSink(NullWriter):
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._started = self._described = False
+        self._close_by = math.inf
         self._failures = _Failures(tracker, FAILURE_REPEAT_S)
         self._thread = threading.Thread(target=self._run, name=f"tracker-{tracker.name}", daemon=True)
         self._thread.start()
@@ -382,6 +385,7 @@ class TrackerSink(NullWriter):
 
     def close(self) -> None:
         """Send what is queued and end the tracker's run, waiting at most two request timeouts."""
+        self._close_by = time.monotonic() + 2 * self.timeout_s
         self._closing.set()
         self._wake.set()
         self._thread.join(2 * self.timeout_s)
@@ -405,8 +409,11 @@ class TrackerSink(NullWriter):
             except Exception as e:  # a tracker's failure, whatever its type, never reaches training
                 self._failures.failed(e, len(self._pending))
                 if self._closing.is_set():
-                    return  # one last try at close, no more
-                delay = min(2 * delay, RETRY_MAX_S)
+                    if time.monotonic() + CLOSE_RETRY_S >= self._close_by:
+                        return
+                    delay = CLOSE_RETRY_S  # closing: tries until close's wait runs out
+                else:
+                    delay = min(2 * delay, RETRY_MAX_S)
                 continue
             self._failures.succeeded()
             delay = 1.0
