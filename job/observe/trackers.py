@@ -34,7 +34,7 @@ from pydantic import SecretBytes, SecretStr
 
 from job.cluster.env import DistEnv
 from job.config import JobConfig, config_to_dict, flatten
-from job.errors import BadInput
+from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput
 from job.observe.metrics import NullWriter
 
 log = logging.getLogger("job")
@@ -304,9 +304,9 @@ class WandbTracker:
             self._run.log(values, step=step)
 
     def finish(self, completed: bool) -> None:
-        exit_code = 0
-        if not completed:
-            exit_code = 143
+        exit_code = EXIT_OK
+        if not completed:  # a stop, or a failure: the run goes on in the next attempt
+            exit_code = EXIT_PREEMPTED
         self._run.finish(exit_code=exit_code)
 
 
