@@ -12,6 +12,10 @@ recognises a collective timeout raised by torch.
 143 = 128 + SIGTERM: Kubernetes' ``restartPolicy: ExitCode`` retries codes >= 128 and fails the job for
 1-127, so bad input (2) is permanent while a preempted job is restarted.
 
+2 only before training starts: bad input found once the first step began (an image truncated mid-run) ends as
+``FailedAfterStart`` (1), since checkpoints may be on storage; a transient I/O error of network storage (EIO,
+ESTALE: ``TRANSIENT_ERRNOS``) is never bad input, before or after (``TransientIOError``, 1: retried).
+
 Errors are data: each ``JobError`` carries ``what`` (what is wrong), ``fix`` (the remedy), ``exit_code`` and,
 where one setting is to blame, ``setting`` and ``value``. ``str(err)`` renders "what. Fix: fix", the text
 users see; code that needs a part reads the attribute, never the text. ``job.cli`` returns
@@ -20,6 +24,7 @@ users see; code that needs a part reads the attribute, never the text. ``job.cli
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -112,6 +117,37 @@ class UserCodeError(BadInput):
 class WeightsError(BadInput):
     """``model.weights`` cannot be loaded into the model: missing, corrupt, not a state dict, or of another
     architecture (the message names the first tensor that does not fit)."""
+
+
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET})
+"""Errors of network storage that a later try may not meet: never "bad input, do not retry"."""
+
+
+def is_transient_io(err: BaseException) -> bool:
+    """Whether ``err`` is an ``OSError`` whose errno says the storage, not the data, failed (``TRANSIENT_ERRNOS``)."""
+    return isinstance(err, OSError) and err.errno in TRANSIENT_ERRNOS
+
+
+class TransientIOError(JobError, RuntimeError):
+    """Reading input failed with a transient storage error (``TRANSIENT_ERRNOS``): a failure (1) a launcher retries,
+    not bad input."""
+
+
+class FailedAfterStart(JobError, RuntimeError):
+    """What would be bad input (2), met after training started: checkpoints may be on storage, so it ends as a
+    failure (1), never as "nothing written, do not retry". ``what``, ``fix``, ``setting`` and ``value`` are the
+    original error's."""
+
+    show_traceback = False  # the original says all there is to say
+
+    @classmethod
+    def of(cls, err: BadInput, step: int) -> FailedAfterStart:
+        return cls(
+            f"{err.what} (met after training started, at step {step}: exit {EXIT_FAILURE}, not {EXIT_BAD_INPUT})",
+            err.fix,
+            setting=err.setting,
+            value=err.value,
+        )
 
 
 class CollectiveTimeout(JobError, RuntimeError):

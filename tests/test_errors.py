@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import errno
 import json
 import pickle
 import subprocess
@@ -19,6 +20,7 @@ from ephemeral_port_reserve import reserve
 from support import ROOT
 
 from job import cli, errors
+from job.data.workers import unreadable_image
 from job.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
@@ -31,10 +33,12 @@ from job.errors import (
     DataStall,
     DoctorFailed,
     DoesNotFit,
+    FailedAfterStart,
     JobError,
     NonFiniteError,
     NonFiniteStateError,
     TrainingFailed,
+    TransientIOError,
     UserCodeError,
     WeightsError,
     exit_code_of,
@@ -72,6 +76,8 @@ CASES = [
         ),
         EXIT_BAD_INPUT,
     ),
+    (TransientIOError("data: cannot read x.png: the storage failed.", "retry."), EXIT_FAILURE),
+    (FailedAfterStart.of(BadInput("data: cannot read x.png.", "replace it.", setting="data.path"), 7), EXIT_FAILURE),
 ]
 IDS = [type(err).__name__ for err, _ in CASES]
 # What each of CASES prints: the message, then " Fix: " and the fix when there is one.
@@ -89,7 +95,24 @@ TEXT = {
     "UserCodeError": "model.name='pkg.mod:net': no module pkg. Fix: install it.",
     "WeightsError": "model.weights=w.pt: no such file. Fix: pass a state dict.",
     "DoesNotFit": "train.strategy='ddp' needs about 9 MiB per device. Fix: --train.strategy fsdp.",
+    "TransientIOError": "data: cannot read x.png: the storage failed. Fix: retry.",
+    "FailedAfterStart": "data: cannot read x.png. (met after training started, at step 7: exit 1, not 2) Fix: replace it.",
 }
+
+
+@pytest.mark.parametrize(
+    ("err", "code"),
+    [
+        (OSError(errno.EIO, "Input/output error"), EXIT_FAILURE),
+        (OSError(errno.ESTALE, "Stale file handle"), EXIT_FAILURE),
+    ]
+    + [(OSError(errno.ENOENT, "No such file"), EXIT_BAD_INPUT), (ValueError("truncated PNG"), EXIT_BAD_INPUT)],
+    ids=["EIO", "ESTALE", "ENOENT", "decode"],
+)
+def test_an_unreadable_image_is_bad_input_unless_the_storage_failed(err: Exception, code: int) -> None:
+    """A transient error of network storage is retried (1); a missing or corrupt file is bad input (2)."""
+    made = unreadable_image("d/train/0/x.png", err)
+    assert exit_code_of(made) == code and made.setting == "data.path" and made.value == "d/train/0/x.png"
 
 
 def _cli_code(monkeypatch: pytest.MonkeyPatch, err: BaseException) -> int:

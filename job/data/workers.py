@@ -19,7 +19,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from job.cluster.stop import block_stop_signals, ignore_stop_signals, unblock_stop_signals
-from job.errors import BadInput, JobError
+from job.errors import BadInput, JobError, TransientIOError, is_transient_io
 
 _WORKERS: weakref.WeakSet[multiprocessing.process.BaseProcess] = weakref.WeakSet()
 _INIT_ERROR: list[JobError] = []  # in a worker: why init_worker failed (sent with its first batch)
@@ -114,8 +114,16 @@ def use_short_socket_tempdir() -> str | None:
     )
 
 
-def unreadable_image(path: str, err: Exception) -> BadInput:
-    """The error for an image file that cannot be read or decoded, whichever path decodes it."""
+def unreadable_image(path: str, err: Exception) -> JobError:
+    """The error for an image file that cannot be read or decoded, whichever path decodes it: bad input, unless the
+    storage failed (a transient errno: a failure, retried)."""
+    if is_transient_io(err):
+        return TransientIOError(
+            f"data: cannot read image file {path}: the storage failed ({type(err).__name__}: {err}).",
+            "retry: a transient error of the storage, not of the file (the launcher's restart resumes the run).",
+            setting="data.path",
+            value=path,
+        )
     return BadInput(
         f"data: cannot read image file {path} ({type(err).__name__}: {str(err).strip()[:200]}).",
         "delete or replace this file (it is truncated, corrupt or unreadable).",
