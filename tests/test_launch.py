@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 
 from job.checkpoint.store import MANIFEST, step_dir_name
+from job.cluster import stop
 from job.cluster.env import NOTICE_VAR
-from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
+from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EXIT_TIMEOUT, BadInput
 from job.launchers.torchrun import (
     SHUTDOWN_DEFAULT_S,
     _parser,
@@ -170,18 +171,24 @@ def _agent_env(tmp_path: Path, plan: str, on_signal: str | None) -> dict[str, st
 
 
 def _saving_run(tmp_path: Path, checkpoint: bool = True) -> tuple[str, ...]:
-    """Train args naming the run directory where the launcher looks for the stop record. With ``checkpoint`` the
-    workers "save": the manifest of step 1 is made here, and a worker that exits 143 writes the record."""
+    """Train args naming the run directory where the launcher looks for the stop record; a worker that exits 143
+    writes the record of step 1 there. With ``checkpoint`` the save of step 1 is on storage (its manifest is made
+    here); without, the record names a save that never reached storage."""
     run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
     if checkpoint:
         (run_dir / step_dir_name(1)).mkdir(parents=True)
         (run_dir / step_dir_name(1) / MANIFEST).write_text("{}")
     return ("--", "--run.output-dir", str(tmp_path / "runs"), "--run.name", "r")
 
 
-def _launch(tmp_path: Path, plan: str, on_signal: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+def _launch(
+    tmp_path: Path, plan: str, on_signal: str | None = None, extra: tuple[str, ...] = (), trained: bool = True
+) -> subprocess.Popen:
     argv = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", *extra]
     env = _agent_env(tmp_path, plan, on_signal)
+    if not trained:
+        env["LAUNCH_TEST_UNTRAINED"] = "1"
     if (tmp_path / "runs" / "r").is_dir():  # the workers "save" (_saving_run)
         env["LAUNCH_TEST_RUN_DIR"] = str(tmp_path / "runs" / "r")
     return subprocess.Popen(
@@ -235,7 +242,7 @@ def test_worker_exit_codes_are_mapped(
     assert rc == expected, out
     assert f"exit code {expected}" in out
     if saved is False:
-        assert "the save was lost" in out, out
+        assert "names step 1, whose checkpoint is not on storage): the save was lost" in out, out
 
 
 def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -249,29 +256,50 @@ def _wait_ready(tmp_path: Path, proc: subprocess.Popen, timeout: float = 240) ->
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    ("sig", "on_signal", "expected"),
+    ("sig", "on_signal", "expected", "said"),
     [
-        (signal.SIGTERM, "143", EXIT_PREEMPTED),  # workers saved and returned 143: resume me
+        (signal.SIGTERM, "143", EXIT_PREEMPTED, "stop save of step 1 (signal)"),  # saved and returned 143: resume me
         # SIGINT tells "saved" (143, read from the workers after torchrun stopped them) from "killed"
-        (signal.SIGINT, "143", EXIT_PREEMPTED),
-        (signal.SIGINT, None, EXIT_FAILURE),  # workers died of the signal: nothing saved
-        (signal.SIGTERM, None, EXIT_FAILURE),  # killed by SIGTERM: torch's list says 143, but nothing saved
-        (signal.SIGTERM, "1", EXIT_FAILURE),  # the workers failed: not 128 + SIGTERM
+        (signal.SIGINT, "143", EXIT_PREEMPTED, "stop save of step 1 (signal)"),
+        (signal.SIGINT, None, EXIT_FAILURE, "the save was lost"),  # workers died of the signal: nothing saved
+        (signal.SIGTERM, None, EXIT_FAILURE, "the save was lost"),  # killed by SIGTERM: torch says 143, nothing saved
+        (signal.SIGTERM, "1", EXIT_FAILURE, "the save was lost"),  # the workers failed: not 128 + SIGTERM
+        # the signal came during the last step or the final save: the workers finished and returned 0
+        (signal.SIGTERM, "0", EXIT_OK, "the workers finished the run"),
     ],
-    ids=["sigterm-saved", "sigint-saved", "sigint-killed", "sigterm-killed", "sigterm-failed"],
+    ids=["sigterm-saved", "sigint-saved", "sigint-killed", "sigterm-killed", "sigterm-failed", "sigterm-finished"],
 )
 def test_signal_to_the_agent_reaches_the_workers(
-    tmp_path: Path, sig: signal.Signals, on_signal: str | None, expected: int
+    tmp_path: Path, sig: signal.Signals, on_signal: str | None, expected: int, said: str
 ) -> None:
     proc = _launch(tmp_path, "0:0:60,1:0:60", on_signal, _saving_run(tmp_path))
     _wait_ready(tmp_path, proc)
     proc.send_signal(sig)
     rc, out = _finish(proc, timeout=120)
     assert rc == expected, out
-    if expected != EXIT_PREEMPTED:
-        assert "the save was lost" in out, out
+    assert f"{said}; exit code {expected}" in out, out
     for rank in (0, 1):
         assert (tmp_path / f"signal-{rank}").read_text() == sig.name
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["resuming", "fresh"])
+def test_workers_killed_before_their_first_step_lost_nothing(tmp_path: Path, checkpoint: bool) -> None:
+    """Workers killed by the launcher's signal during start-up (before their handlers exist: no trained mark):
+    resuming from a checkpoint, that checkpoint is the state they stopped at, so 143 with the launcher's own stop
+    record of its step; a fresh run has no save to resume from, so 1."""
+    run_dir = tmp_path / "runs" / "r"
+    proc = _launch(tmp_path, "0:0:60,1:0:60", None, _saving_run(tmp_path, checkpoint=checkpoint), trained=False)
+    _wait_ready(tmp_path, proc)
+    proc.send_signal(signal.SIGTERM)
+    rc, out = _finish(proc, timeout=120)
+    if checkpoint:
+        assert rc == EXIT_PREEMPTED, out
+        assert "before the first step: nothing lost since the checkpoint of step 1; exit code 143" in out, out
+        assert stop.read_record(run_dir) == stop.Record(1, "signal")
+    else:
+        assert rc == EXIT_FAILURE, out
+        assert "the save was lost" in out and stop.read_record(run_dir) is None, out
 
 
 @pytest.mark.integration

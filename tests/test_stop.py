@@ -8,18 +8,21 @@ record (step and reason) that launchers act on; train.max_time is one more reaso
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.cli import make_data
 from support.runs import tiny_args
 
 from job.checkpoint.checkpointer import STOP_SAVES
 from job.checkpoint.store import find_latest
 from job.cluster import stop
-from job.errors import EXIT_OK, EXIT_PREEMPTED
+from job.errors import EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED
+from job.observe.metrics import METRICS_JSONL
 
 TINY = [
     *tiny_args(),
@@ -87,6 +90,7 @@ def test_request_before_start_is_honoured_after_the_first_step_then_discarded(tm
     assert "saving at step 1" in first.stdout and (run_dir / "step-0000001").is_dir()
     assert stop.is_honoured(run_dir) and "step=1" in stop.stop_file(run_dir).read_text()
     assert stop.read_record(run_dir) == stop.Record(1, "stop-file")
+    assert "run the same command again to resume from it" in first.stdout  # no launcher requeues it
     stopped = find_latest(run_dir)
     assert stopped is not None and stopped.manifest[STOP_SAVES] == 1  # ckpt.every=auto's restart is no failure
     second = train(tmp_path)  # the same command again: the honoured request does not stop it
@@ -109,7 +113,51 @@ def test_time_budget_stops_every_rank_at_one_step_saves_and_records_it(tmp_path:
     assert len(re.findall(r"stop requested \(time budget: train.max_time spent\): saving at step 1 ", out)) == 2, out
     assert stop.read_record(run_dir) == stop.Record(1, "time-budget")
     assert "stop save of step 1 (time-budget); exit code 143" in out, out[-2000:]
+    assert not stop.stop_file(run_dir).exists(), "nobody asked with the STOP file: no honoured mark appears"
+    assert "run the same command again" not in out  # the launcher (its requeue) resumes it
     second = subprocess.run([*launch, *args, "--train.max-time", "1h30m"], capture_output=True, text=True, timeout=300)
     out = second.stdout + second.stderr
     assert second.returncode == EXIT_OK, out[-3000:]
     assert "resumed from" in out and "FINAL step=4" in out
+
+
+def test_a_stop_agreed_on_the_last_step_finishes_the_run(tmp_path: Path) -> None:
+    """The budget is spent before the only step: the ranks agree to stop after it, and since nothing is left to
+    train the run finishes (final evaluation, the step's one metrics record, exit 0) instead of saving to resume."""
+    run_dir = tmp_path / "runs" / "r"
+    done = train(tmp_path, "--train.steps", "1", "--train.max-time", "0.001", "--log.jsonl", "true")
+    out = done.stdout + done.stderr
+    assert done.returncode == EXIT_OK, out[-3000:]
+    assert "FINAL step=1" in done.stdout and "stop requested" not in out
+    assert stop.read_record(run_dir) is None and not stop.stop_file(run_dir).exists()
+    records = [json.loads(line) for line in (run_dir / METRICS_JSONL).read_text().splitlines()]
+    assert [r["step"] for r in records] == [1], records
+    assert any(k.startswith("val/") for k in records[0]), "the one record holds the final evaluation"
+
+
+def test_bad_input_met_after_training_started_exits_1_not_2(tmp_path: Path) -> None:
+    """Images truncated after the first save: the error names the file, but checkpoints are on storage, so the run
+    ends as a failure a launcher retries (1), never as "bad input, nothing written" (2)."""
+    data = make_data(tmp_path / "data", classes=2, per_class=8, size=16)
+    run_dir = tmp_path / "runs" / "r"
+    args = [*tiny_args(data, classes=2), *TINY[len(tiny_args()) :], "--train.steps", "1000", "--ckpt.every", "1"]
+    args += ["--run.output-dir", str(tmp_path / "runs"), "--run.name", "r"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "job", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # the first save is on storage: training has started
+        seen.append(line)
+        if "saved checkpoint" in line:
+            break
+    for image in (data / "train").rglob("*.*"):
+        image.write_bytes(image.read_bytes()[:20])
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=300) == EXIT_FAILURE, out[-3000:]
+    assert "cannot read image file" in out and "met after training started" in out, out[-3000:]
+    assert find_latest(run_dir) is not None

@@ -145,8 +145,30 @@ def read_record(run_dir: Path) -> Record | None:
 
 
 def clear_record(run_dir: Path) -> None:
-    """A trainer or launcher starting an attempt: a record is only ever about the attempt that wrote it."""
+    """A trainer or launcher starting an attempt: a record is only ever about the attempt that wrote it (the
+    stop record and the trained mark)."""
     record_file(run_dir).unlink(missing_ok=True)
+    trained_file(run_dir).unlink(missing_ok=True)
+
+
+TRAINED_FILE = "TRAINED"
+"""``<run_dir>/TRAINED``: ``step=<step>``, written by rank 0 once the first step of an attempt is done. A launcher
+whose workers were killed by its signal before any step (during start-up, before their handlers existed) finds
+none, and knows that nothing was lost since the newest checkpoint (``job.launchers.torchrun``)."""
+
+
+def trained_file(run_dir: Path) -> Path:
+    return run_dir / TRAINED_FILE
+
+
+def mark_trained(run_dir: Path, step: int) -> None:
+    """Rank 0, at the boundary of the first step of an attempt: from now on a kill loses steps."""
+    trained_file(run_dir).write_text(f"step={step}\n")
+
+
+def trained(run_dir: Path) -> bool:
+    """Whether this attempt took a step (``mark_trained``)."""
+    return trained_file(run_dir).is_file()
 
 
 def _stop_signums() -> list[int]:

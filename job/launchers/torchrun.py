@@ -217,10 +217,54 @@ def confirm_preempted(result: int, run_dir: Path | None) -> tuple[int, str]:
     if result != EXIT_PREEMPTED:
         return result, ""
     record = stop_saved(run_dir)
-    if record is None:
-        where = stop.record_file(run_dir) if run_dir is not None else "the run directory's stop record"
-        return EXIT_FAILURE, f"; no stop save for this attempt (no {where}): the save was lost"
-    return EXIT_PREEMPTED, f"; stop save of step {record.step} ({record.reason})"
+    if record is not None:
+        return EXIT_PREEMPTED, f"; stop save of step {record.step} ({record.reason})"
+    if run_dir is None:
+        return EXIT_FAILURE, "; no stop save for this attempt (no stop record in the run directory): the save was lost"
+    written = stop.read_record(run_dir)
+    if written is None:
+        return EXIT_FAILURE, f"; no stop save for this attempt (no {stop.record_file(run_dir)}): the save was lost"
+    return EXIT_FAILURE, (
+        f"; no stop save for this attempt (the stop record names step {written.step}, whose checkpoint is not on "
+        "storage): the save was lost"
+    )
+
+
+def signalled_result(exits: Sequence[int], run_dir: Path | None) -> tuple[int, str]:
+    """(exit code, what to add to the message) after the launcher got a stop signal and its workers ended with
+    ``exits``:
+
+    * every worker returned 0: the signal came too late to stop them (the last step, the final evaluation or
+      save) and the run is finished: 0;
+    * a worker returned 143: it saved, and rank 0 wrote the stop record: 143 if the record's save is on storage;
+    * the workers were killed by the signal before the attempt's first step was done (during start-up, before
+      their handlers existed; no trained mark, ``job.cluster.stop.mark_trained``): nothing was lost since the
+      newest checkpoint, which is the state they stopped at; the launcher writes the stop record of its step
+      and says 143 (without a checkpoint, a fresh run lost nothing but it has no save: 1);
+    * anything else lost the save: 1, never 128 + the signal.
+    """
+    if exits and all(c == EXIT_OK for c in exits):
+        return EXIT_OK, "; the workers finished the run"
+    if EXIT_PREEMPTED in exits:
+        return confirm_preempted(EXIT_PREEMPTED, run_dir)
+    resumed = _stopped_before_training(exits, run_dir)
+    if resumed is not None:
+        return EXIT_PREEMPTED, (
+            f"; stopped during start-up, before the first step: nothing lost since the checkpoint of step {resumed}"
+        )
+    return EXIT_FAILURE, "; no worker returned 143 after saving: the save was lost"
+
+
+def _stopped_before_training(exits: Sequence[int], run_dir: Path | None) -> int | None:
+    """The step of the newest checkpoint if every worker was killed by a signal before this attempt's first step
+    was done (the stop record of that step is then written here), else None."""
+    if run_dir is None or not exits or any(c >= 0 for c in exits) or stop.trained(run_dir):
+        return None
+    latest = ckpt.find_latest(run_dir, hashes=False)
+    if latest is None:
+        return None
+    stop.write_record(run_dir, latest.step, "signal")
+    return latest.step
 
 
 def _first_failure_order(failures: dict) -> list[int]:
@@ -260,13 +304,9 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
         print(f"ddp-job launch: workers failed ({detail}){why}; exit code {result}", file=sys.stderr, flush=True)
         return result
     except SignalException as e:
-        # torchrun forwarded the signal to the workers and waited for them (--shutdown-timeout). Workers that
-        # stopped cleanly saved a checkpoint, rank 0 wrote the stop record, and they returned 143: then this
-        # launch is "preempted, resume me". Anything else lost the save: 1, never 128 + SIGTERM.
+        # torchrun forwarded the signal to the workers and waited for them (--shutdown-timeout).
         sig = int(e.sigval)
-        result, why = confirm_preempted(EXIT_PREEMPTED, run_dir)
-        if EXIT_PREEMPTED not in exits:
-            result, why = EXIT_FAILURE, "; no worker returned 143 after saving: the save was lost"
+        result, why = signalled_result(exits, run_dir)
         print(
             f"ddp-job launch: got {signal.Signals(sig).name}; workers ended "
             f"[{', '.join(_describe(c) for c in exits)}]{why}; exit code {result}",

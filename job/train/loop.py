@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from job.checkpoint.checkpointer import Checkpointer
+from job.cluster import stop as stop_protocol
 from job.cluster.env import DistEnv
 from job.config import JobConfig, config_to_dict
 from job.config.plan import Plan
-from job.errors import EXIT_OK, EXIT_PREEMPTED
+from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, FailedAfterStart
 from job.observe.metrics import NullWriter, TrainLog, hparams
 from job.observe.report import NullReporter, Pace, reported_metrics
 from job.observe.status import Status
@@ -49,20 +51,38 @@ class Run:
     """Armed around each step once the first step is done (job.observe.watchdog)."""
 
 
+class End(Enum):
+    """Why the loop ends before ``plan.total_steps`` (``iteration`` returns None to go on)."""
+
+    STOP = "stop"
+    """The ranks agreed to stop: the stop save, the stop record, 143 (``preempted``); on the last step the run
+    is finished instead (``finish``): nothing is left to resume."""
+
+
 def train_loop(run: Run) -> int:
     """Train to ``plan.total_steps`` or to a stop request; returns the exit code (0, or 143 after saving)."""
     first_step = run.state.step + 1
     try:
         while run.state.step < run.plan.total_steps:
-            stop = iteration(run)
+            end = iteration(run)
             if run.state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
-                _fail_fast(run)
-            if stop:
+                _first_step_done(run)
+            if end is End.STOP and run.state.step < run.plan.total_steps:
                 return preempted(run)
         return finish(run)
+    except BadInput as e:  # training started: checkpoints may be on storage, never "nothing written" (2)
+        raise FailedAfterStart.of(e, run.state.step) from e
     finally:
         if run.watchdog is not None:
             run.watchdog.close()
+
+
+def _first_step_done(run: Run) -> None:
+    """From the first step of an attempt on, a kill loses steps (the launcher reads the mark) and collectives fail
+    fast."""
+    if run.env.is_main:
+        stop_protocol.mark_trained(run.cfg.run_dir, run.state.step)
+    _fail_fast(run)
 
 
 def _fail_fast(run: Run) -> None:
@@ -72,9 +92,9 @@ def _fail_fast(run: Run) -> None:
     run.watchdog = Watchdog(run.stop, timeout, run.cfg.run_dir, run.env.rank, run.env.world_size)
 
 
-def iteration(run: Run) -> bool:
-    """One pass of the loop: the step, then each component at its cadence; True when the ranks agreed to stop
-    (the checkpoint of a stopping step is the preemption save's)."""
+def iteration(run: Run) -> End | None:
+    """One pass of the loop: the step, then each component at its cadence; why the loop ends, or None to go on
+    (the checkpoint of a stopping step is the stop save's)."""
     state, parts = run.state, run.parts
     run.log.before_step()
     if run.watchdog is not None:
@@ -89,13 +109,13 @@ def iteration(run: Run) -> bool:
         run.watchdog.disarm()
     run.evaluator.after_step(state.step)
     if stop_agreed(run):
-        return True
+        return End.STOP
     run.checkpointer.after_step(state.step)
     if state.step < run.plan.total_steps:  # the last step's record takes the final evaluation first (finish)
         run.writer.commit()  # the step's record, complete: every component has added its values
     if run.log.due(state.step):  # after the step's save: a synchronous one is already on storage
         run.reporter.update(status(run))
-    return False
+    return None
 
 
 def status(run: Run, finished: bool = False) -> Status:
@@ -129,6 +149,8 @@ def preempted(run: Run) -> int:
     run.reporter.close(status(run))
     if run.env.is_main:
         run.stop.record(step, reasons)
+        if run.env.launcher == "single":  # no launcher to requeue it: the user resumes it
+            log.info("the stop save of step %d is on storage: run the same command again to resume from it", step)
     distributed.barrier(run.rt)
     return EXIT_PREEMPTED
 

@@ -142,7 +142,8 @@ class StopRequest:
 
     def record(self, step: int, reasons: list[bool]) -> None:
         """Rank 0, once the stop checkpoint of ``step`` is on storage: the stop record every launcher acts on
-        (``job.cluster.stop.write_record``), and the STOP file's request marked honoured."""
+        (``job.cluster.stop.write_record``), and the STOP file's request, if there is one, marked honoured."""
         reason = next((r for r, f in zip(stop.REASONS, reasons, strict=True) if f), "signal")
-        stop.mark_honoured(self.run_dir, step)
+        if stop.requested_by(self.run_dir) is not None:  # only a request is honoured: no file appears otherwise
+            stop.mark_honoured(self.run_dir, step)
         stop.write_record(self.run_dir, step, reason)

@@ -8,7 +8,8 @@ default action. It writes $LAUNCH_TEST_DIR/ready-<rank> once its handlers are in
 $LAUNCH_TEST_DIR/argv-<rank>, then waits until every rank is ready before its delay: which worker ends first
 never depends on how fast the machine starts them. A worker that exits 143 with LAUNCH_TEST_RUN_DIR set
 "saves" as the trainer does: it writes the stop record of step 1 (job.cluster.stop), whose checkpoint the test
-made.
+made; there rank 0 also marks the attempt trained (its first step done) once ready, unless LAUNCH_TEST_UNTRAINED
+is set (workers still starting up).
 """
 
 import json
@@ -65,6 +66,11 @@ def main() -> int:
             },
             f,
         )
+    run_dir = os.environ.get("LAUNCH_TEST_RUN_DIR")
+    if run_dir and rank == 0 and not os.environ.get("LAUNCH_TEST_UNTRAINED"):
+        from job.cluster import stop
+
+        stop.mark_trained(Path(run_dir), 1)
     open(os.path.join(out, f"ready-{rank}"), "w").close()
     world_size = int(os.environ["WORLD_SIZE"])
     while not all(os.path.exists(os.path.join(out, f"ready-{r}")) for r in range(world_size)):
