@@ -9,12 +9,16 @@ record (step and reason) that launchers act on; train.max_time is one more reaso
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.ci import require
 from support.cli import make_data
 from support.runs import tiny_args
 
@@ -161,3 +165,34 @@ def test_bad_input_met_after_training_started_exits_1_not_2(tmp_path: Path) -> N
     assert proc.wait(timeout=300) == EXIT_FAILURE, out[-3000:]
     assert "cannot read image file" in out and "met after training started" in out, out[-3000:]
     assert find_latest(run_dir) is not None
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MiB tmpfs of this test's own with 1 MiB free (root needed; in CI a missing capability fails)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    require(r.returncode == 0, f"cannot mount a tmpfs (root needed): {r.stderr.strip()}")
+    try:
+        with (mnt / "filler").open("wb") as f:
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(mnt).free - (1 << 20))
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_stop_save_that_fails_leaves_no_record_and_exits_1(full_disk: Path) -> None:
+    """The stop record comes only after the stop save is on storage: a save that fails (ENOSPC) leaves none, and
+    the run exits 1, never 143 (a launcher would requeue a run whose save was lost)."""
+    run_dir = full_disk / "r"
+    stop.request(run_dir)
+    args = [*TINY, "--run.output-dir", str(full_disk), "--run.name", "r", "--ckpt.async-save", "off"]
+    failed = subprocess.run(
+        [sys.executable, "-m", "job", "train", *args], capture_output=True, text=True, timeout=300, cwd=full_disk
+    )
+    out = failed.stdout + failed.stderr
+    assert failed.returncode == EXIT_FAILURE, out[-3000:]
+    assert "saving at step 1" in out, out[-3000:]
+    assert stop.read_record(run_dir) is None and not stop.is_honoured(run_dir)
+    assert find_latest(run_dir) is None
