@@ -40,12 +40,15 @@ def test_a_loss_that_reads_the_models_attributes_trains_on_two_processes(tmp_pat
     assert tol < 1e-3  # far below what a lost or repeated sample moves (an update of about 1 here)
 
 
-def _one_sgd_step(tmp_path: Path, name: str, nproc: int, micro: int, counted: bool = True) -> dict[str, torch.Tensor]:
+def _one_sgd_step(
+    tmp_path: Path, name: str, nproc: int, micro: int, counted: bool = True, clip: float = 0.0
+) -> dict[str, torch.Tensor]:
     """The model after one plain SGD step at LR 1 of the ragged-token task over the global batch of 8: the
-    initial weights minus the step's gradient."""
+    initial weights minus the step's gradient (clipped to the norm ``clip`` where given)."""
     out = tmp_path / "runs"
     options = json.dumps({"counted": counted})
     args = ["--task.name", "support.user_tasks:TokenSum", "--task.options", options, *COMMON]
+    args += ["--train.grad-clip-norm", str(clip)]
     args += ["--run.output-dir", str(out), "--run.name", name, "--train.steps", "1", "--train.global-batch-size", "8"]
     args += ["--train.micro-batch-size", str(micro), "--optim.lr", "1", "--optim.momentum", "0"]
     args += ["--optim.weight-decay", "0", "--sched.name", "constant", "--log.jsonl", "true", "--log.every", "1"]
@@ -74,6 +77,17 @@ def test_a_summed_loss_is_normalised_by_the_global_count_of_the_step(tmp_path: P
     print(f"\nmax |grad diff| vs the whole batch: {got}; mean of micro-batch means: {bug:.3g}; tolerance {tol:.3g}")
     assert all(d < tol for d in got.values()), (got, tol)
     assert bug > 100 * tol  # the token counts are ragged enough for the weighting to matter
+
+
+def test_a_summed_loss_is_normalised_before_clipping(tmp_path: Path) -> None:
+    """Clipping applies to the mean gradient, not to the accumulated sum: clipped to 0.01 and to 0.02 (both far
+    below the norm of a fresh model's gradient), the two updates point the same way and differ by a vector of
+    norm 0.01, to fp32 rounding of the ~300 parameters (1e-6). Normalising after clipping would scale both by
+    1/count (about 1/60 here), and the difference with them."""
+    low = _one_sgd_step(tmp_path, "clip-low", 1, 2, clip=0.01)
+    high = _one_sgd_step(tmp_path, "clip-high", 1, 2, clip=0.02)
+    diff = torch.cat([(low[k].double() - high[k].double()).flatten() for k in low]).norm().item()
+    assert abs(diff - 0.01) < 1e-5, diff
 
 
 def _resumed_at_step_3(tmp_path: Path, task: str, *extra: str) -> tuple[Path, str, str]:
