@@ -230,9 +230,9 @@ def test_optimizers_without_found_inf_skip_without_a_host_read(
 
 
 def run_with_a_nonfinite_step(
-    runtime: distributed.Runtime, tmp_path: Path, optimizer: list[str], rollback: bool
+    runtime: distributed.Runtime, tmp_path: Path, optimizer: list[str], rollback: bool, nan_at: tuple[int, ...] = (3, 4)
 ) -> tuple[Parts, TrainState, dict[str, Any]]:
-    """Five real steps, the gradients of steps 3 and 4 non-finite, an EMA; ``rollback``: their updates run and are
+    """Five real steps, the gradients of steps ``nan_at`` non-finite, an EMA; ``rollback``: their updates run and are
     undone (job.train.rollback, with the late host restore of the step counts as on a GPU), else never run (the
     flag read on the host before the update). Returns the parts, the state and the initial weights."""
     extra = ["--optim.name", *optimizer, "--optim.momentum", "0.9", "--log.every", "100", "--train.steps", "100"]
@@ -244,23 +244,26 @@ def run_with_a_nonfinite_step(
         parts.guard = NonFiniteGuard(parts.optimizer, parts.device, 100, False, rollback=undo)
     assert (parts.guard.rollback is not None) == rollback
     state = TrainState()
-    debug.install(cfg.debug.model_copy(update={"nan_at_steps": (3, 4)}), 0, parts, state)
+    debug.install(cfg.debug.model_copy(update={"nan_at_steps": nan_at}), 0, parts, state)
     batches = parts.loaders.batches(state)
     outs = [train_step(parts, batches, plan, state, cfg.train) for _ in range(5)]
-    assert [bool(o.finite) for o in outs] == [True, True, False, False, True]
+    assert [bool(o.finite) for o in outs] == [step not in nan_at for step in range(1, 6)]
     parts.guard.check(state.step, state)
-    assert state.nonfinite_skips == 2
+    assert state.nonfinite_skips == len(nan_at)
     return parts, state, initial
 
 
+@pytest.mark.parametrize("nan_at", [(3, 4), (1,)], ids=["steps-3-4", "first-update"])
 @pytest.mark.parametrize("optimizer", [["lamb"], ["adamw", "--optim.zero", "true"]], ids=["lamb", "zero-adamw"])
 def test_a_rolled_back_step_equals_one_that_never_ran(
-    runtime: distributed.Runtime, tmp_path: Path, optimizer: list[str]
+    runtime: distributed.Runtime, tmp_path: Path, optimizer: list[str], nan_at: tuple[int, ...]
 ) -> None:
     """The real step with the rollback ends bitwise where the same steps end when the skipped updates never ran:
-    parameters and buffers, the optimizer's state (``exp_avg``, momentum, step counts), the EMA and the scaler."""
-    want, want_state, initial = run_with_a_nonfinite_step(runtime, tmp_path / "never", optimizer, rollback=False)
-    got, got_state, got_initial = run_with_a_nonfinite_step(runtime, tmp_path / "undone", optimizer, rollback=True)
+    parameters and buffers, the optimizer's state (``exp_avg``, momentum, step counts), the EMA and the scaler.
+    ``first-update``: the very first update is non-finite, before the optimizer has state to roll back to."""
+    never, undone = tmp_path / "never", tmp_path / "undone"
+    want, want_state, initial = run_with_a_nonfinite_step(runtime, never, optimizer, rollback=False, nan_at=nan_at)
+    got, got_state, got_initial = run_with_a_nonfinite_step(runtime, undone, optimizer, rollback=True, nan_at=nan_at)
     assert_bitwise_equal(initial, got_initial, "initial weights")  # the two runs start alike
     assert_bitwise_equal(want.raw_model.state_dict(), got.raw_model.state_dict(), "model")
     want_opt, got_opt = local_optimizer(want.optimizer), local_optimizer(got.optimizer)
