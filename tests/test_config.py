@@ -259,6 +259,8 @@ def test_help_documents_every_field() -> None:
             assert f"--{section}.{name}" in r.stdout, name  # the snake_case spelling is listed too
             first_words = " ".join((field.description or "").split()[:3])
             assert first_words and first_words in " ".join(r.stdout.split()), (flag, first_words)
+    assert "None}" not in r.stdout, "an optional setting shows its type, not {type,None}"
+    assert "--train.max-time duration" in r.stdout
 
 
 def test_config_show_prints_resolved_yaml(tmp_path: Path) -> None:

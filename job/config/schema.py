@@ -25,6 +25,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
+from typing_extensions import TypeAliasType
 
 from job.cluster.stop import SIGNAL_NAMES, STOP_SIGNALS
 from job.usercode import is_import_path
@@ -57,6 +58,10 @@ def parse_duration(text: str) -> float:
 
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
+
+
+duration = TypeAliasType("duration", str)
+"""A duration (90s, 30m, 1h30m, 2d or seconds): its own name, so that --help shows it, not {str,None}."""
 
 
 class RunConfig(BaseModel):
@@ -307,7 +312,7 @@ class TrainConfig(BaseModel):
     row."""
     stop_signals: tuple[str, ...] = STOP_SIGNALS
     """Signals that request save-and-exit (exit code 143). Remove one to leave it to another handler."""
-    max_time: str | None = None
+    max_time: duration | None = None
     """The time budget of one attempt, from process start (a duration: 90s, 30m, 1h30m, 2d or seconds; None:
     none). When spent, the ranks agree on a step, save and exit 143 with reason time-budget, and the launcher
     requeues: an attempt fits a scheduler's time limit. Unlike Lightning's max_time it does not end training."""
@@ -565,6 +570,7 @@ class JobConfig(BaseSettings):
         cli_implicit_flags=False,
         cli_exit_on_error=False,
         cli_avoid_json=True,
+        cli_hide_none_type=True,  # an optional setting shows its type alone (--train.max-time duration)
         nested_model_default_partial_update=False,
     )
     run: RunConfig = Field(default_factory=RunConfig)
