@@ -156,7 +156,7 @@ def _agent_env(tmp_path: Path, plan: str, on_signal: str | None) -> dict[str, st
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_", "TORCH_DISABLE_SHARE"))
+        if not k.startswith(("PET_", "TORCHELASTIC_", "SLURM_", "TORCH_DISABLE_SHARE", "DDP_JOB_ATTEMPT_START"))
         and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
     env.update(
@@ -209,6 +209,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
 @pytest.mark.integration
 def test_success_runs_job_train_with_the_train_args(tmp_path: Path) -> None:
     extra = ("--shutdown-timeout", "7", "--", "--run.name", "demo", "--train.steps", "3")
+    started = time.time()
     rc, out = _finish(_launch(tmp_path, "0:0,1:0", extra=extra))
     assert rc == 0, out
     for rank in (0, 1):
@@ -218,6 +219,7 @@ def test_success_runs_job_train_with_the_train_args(tmp_path: Path) -> None:
         assert seen["env"]["WORLD_SIZE"] == "2" and seen["env"]["TORCHELASTIC_RUN_ID"]
         assert seen["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
         assert seen["env"]["DDP_JOB_NOTICE_S"] == "7"  # --shutdown-timeout: the agent's SIGKILL after a stop signal
+        assert started - 1 <= float(seen["env"][stop.ATTEMPT_START_VAR]) <= time.time()  # train.max_time's zero
 
 
 @pytest.mark.integration

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,22 +80,29 @@ def test_record_and_requests_by_whom(tmp_path: Path) -> None:
     assert stop.read_record(run_dir) is None
 
 
-def train(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def train(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     args = [*TINY, "--run.output-dir", str(tmp_path / "runs"), "--run.name", "r", *extra]
     return subprocess.run(
-        [sys.executable, "-m", "job", "train", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, "-m", "job", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
     )
 
 
 def test_request_before_start_is_honoured_after_the_first_step_then_discarded(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "r"
     stop.request(run_dir)  # e.g. a launcher's signal trap fired while the trainer was still importing torch
-    first = train(tmp_path)
+    first = train(tmp_path, "--train.eval-every", "1", "--log.jsonl", "true")
     assert first.returncode == EXIT_PREEMPTED, first.stdout[-2000:] + first.stderr[-2000:]
     assert "saving at step 1" in first.stdout and (run_dir / "step-0000001").is_dir()
     assert stop.is_honoured(run_dir) and "step=1" in stop.stop_file(run_dir).read_text()
     assert stop.read_record(run_dir) == stop.Record(1, "stop-file")
     assert "run the same command again to resume from it" in first.stdout  # no launcher requeues it
+    (record,) = [json.loads(line) for line in (run_dir / METRICS_JSONL).read_text().splitlines()]
+    assert record["step"] == 1 and not any(k.startswith("val/") for k in record), "the stop defers the evaluation"
     stopped = find_latest(run_dir)
     assert stopped is not None and stopped.manifest[STOP_SAVES] == 1  # ckpt.every=auto's restart is no failure
     second = train(tmp_path)  # the same command again: the honoured request does not stop it
@@ -196,3 +204,14 @@ def test_a_stop_save_that_fails_leaves_no_record_and_exits_1(full_disk: Path) ->
     assert "saving at step 1" in out, out[-3000:]
     assert stop.read_record(run_dir) is None and not stop.is_honoured(run_dir)
     assert find_latest(run_dir) is None
+
+
+def test_the_time_budget_counts_from_the_attempts_start(tmp_path: Path) -> None:
+    """An attempt its launcher started an hour ago (start-up, a slow rendezvous, an earlier worker group of a
+    torchrun restart) has spent an hour of a 30-minute budget: the run stops after its first step, whatever the
+    age of its own process."""
+    env = {**os.environ, stop.ATTEMPT_START_VAR: f"{time.time() - 3600:.3f}"}
+    first = train(tmp_path, "--train.max-time", "30m", env=env)
+    out = first.stdout + first.stderr
+    assert first.returncode == EXIT_PREEMPTED, out[-3000:]
+    assert stop.read_record(tmp_path / "runs" / "r") == stop.Record(1, "time-budget")

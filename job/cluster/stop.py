@@ -171,6 +171,12 @@ def trained(run_dir: Path) -> bool:
     return trained_file(run_dir).is_file()
 
 
+ATTEMPT_START_VAR = "DDP_JOB_ATTEMPT_START"
+"""When this attempt started (Unix time, seconds): set by ``ddp-job launch`` as it starts, unless a launcher around it
+set it earlier, and inherited by every worker, a torchrun restart's too. ``train.max_time`` counts from it, so
+start-up under a launcher, a container or a slow rendezvous is counted, and a restart gets no new budget."""
+
+
 def _stop_signums() -> list[int]:
     return [getattr(signal, name) for name in STOP_SIGNALS]
 

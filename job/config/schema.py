@@ -313,7 +313,7 @@ class TrainConfig(BaseModel):
     stop_signals: tuple[str, ...] = STOP_SIGNALS
     """Signals that request save-and-exit (exit code 143). Remove one to leave it to another handler."""
     max_time: duration | None = None
-    """The time budget of one attempt, from process start (a duration: 90s, 30m, 1h30m, 2d or seconds; None:
+    """The time budget of one attempt, from the attempt's start (the launcher's, else the process's; a duration: 90s, 30m, 1h30m, 2d or seconds; None:
     none). When spent, the ranks agree on a step, save and exit 143 with reason time-budget, and the launcher
     requeues: an attempt fits a scheduler's time limit. Unlike Lightning's max_time it does not end training."""
 

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,7 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     for name, value in AGENT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    os.environ.setdefault(stop.ATTEMPT_START_VAR, f"{time.time():.3f}")  # train.max_time counts from here
     args.signals_to_handle = with_stop_signals(args.signals_to_handle)
     # torch 2.11's agent has no --shutdown-timeout: it waits its fixed 30 s (SHUTDOWN_DEFAULT_S)
     shutdown_timeout = getattr(args, "shutdown_timeout", None)

@@ -93,8 +93,8 @@ def _fail_fast(run: Run) -> None:
 
 
 def iteration(run: Run) -> End | None:
-    """One pass of the loop: the step, then each component at its cadence; why the loop ends, or None to go on
-    (the checkpoint of a stopping step is the stop save's)."""
+    """One pass of the loop: the step, the stop vote, then each component at its cadence; why the loop ends, or
+    None to go on. A stopping step is neither evaluated nor saved periodically: its checkpoint is the stop save's."""
     state, parts = run.state, run.parts
     run.log.before_step()
     if run.watchdog is not None:
@@ -107,9 +107,9 @@ def iteration(run: Run) -> End | None:
     if run.watchdog is not None:
         # Evaluation and checkpoints take as long as they take; the stop vote is on gloo, which raises on timeout.
         run.watchdog.disarm()
-    run.evaluator.after_step(state.step)
-    if stop_agreed(run):
+    if stop_agreed(run):  # before the evaluation and the periodic save: the stop save must fit the grace period
         return End.STOP
+    run.evaluator.after_step(state.step)
     run.checkpointer.after_step(state.step)
     if state.step < run.plan.total_steps:  # the last step's record takes the final evaluation first (finish)
         run.writer.commit()  # the step's record, complete: every component has added its values

@@ -30,7 +30,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -53,19 +53,35 @@ def process_age_s() -> float:
 _IMPORTED = time.monotonic()
 
 
+def attempt_age_s(environ: Mapping[str, str]) -> float:
+    """Seconds since this attempt started: from the launcher's ``job.cluster.stop.ATTEMPT_START_VAR`` where it is
+    set (and not in the future), else since this process started."""
+    try:
+        started = float(environ.get(stop.ATTEMPT_START_VAR, ""))
+    except ValueError:
+        return process_age_s()
+    age = time.time() - started
+    if age < 0:
+        return process_age_s()
+    return max(age, process_age_s())
+
+
 class StopRequest:
     """Set by signal handlers, the stop file or the time budget; read by the loop at step boundaries.
 
-    ``max_time_s``: the budget of this attempt from process start (``train.max_time``). Each rank reads its own
-    clock; the stop vote ORs the ranks' flags, so they stop at the same step whichever rank's budget ran out.
+    ``max_time_s``: the budget of this attempt (``train.max_time``), ``age_s`` of it already spent (``attempt_age_s``;
+    None: since process start). Each rank reads its own clock; the stop vote ORs the ranks' flags, so they stop
+    at the same step whichever rank's budget ran out.
     """
 
-    def __init__(self, run_dir: Path, max_time_s: float | None = None) -> None:
+    def __init__(self, run_dir: Path, max_time_s: float | None = None, age_s: float | None = None) -> None:
         self.run_dir = run_dir
         self.stop_file = stop.stop_file(run_dir)
         self.deadline: float | None = None
         if max_time_s is not None:
-            self.deadline = time.monotonic() + max_time_s - process_age_s()
+            if age_s is None:
+                age_s = process_age_s()
+            self.deadline = time.monotonic() + max_time_s - age_s
         self.signal_name: str | None = None
         self.signal_at: float | None = None
         """``time.monotonic()`` when the first signal landed (job.observe.watchdog: a stop left unanswered)."""

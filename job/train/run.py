@@ -44,7 +44,7 @@ from job.train import debug
 from job.train.evaluate import Evaluator
 from job.train.loop import Run, train_loop
 from job.train.parts import Parts, build_parts
-from job.train.preempt import StopRequest
+from job.train.preempt import StopRequest, attempt_age_s
 from job.train.step import TrainState
 
 log = logging.getLogger("job")
@@ -194,7 +194,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
 def run(cfg: JobConfig, env: DistEnv, pre: Preflight, rt: distributed.Runtime) -> int:
     """Build the run, restore it, train. Cleanup (signal handlers, writers, an in-flight save) runs on every
     exit path, exceptions included."""
-    stop = StopRequest(cfg.run_dir, cfg.train.max_time_s)
+    stop = StopRequest(cfg.run_dir, cfg.train.max_time_s, attempt_age_s(os.environ))
     if _drained_after_restart(stop, rt):
         return EXIT_PREEMPTED
     pre = settle_resume(cfg, env, pre, rt)

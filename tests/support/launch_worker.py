@@ -61,6 +61,7 @@ def main() -> int:
                         "WORLD_SIZE",
                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                         "DDP_JOB_NOTICE_S",
+                        "DDP_JOB_ATTEMPT_START",
                     )
                 },
             },
