@@ -22,6 +22,7 @@ from job.launchers.submit.args import (
 )
 from job.launchers.submit.command import build_parser
 from job.launchers.submit.task import _SignalChain, node_address
+from job.train.preempt import StopRequest
 
 
 def test_parse_sweep() -> None:
@@ -282,3 +283,16 @@ def test_a_requeue_ended_by_slurms_sigterm_leaves_as_requeued(
         expected = subprocess.CalledProcessError
     with pytest.raises(expected):
         chain.call_submitit(signal.SIGUSR2)
+
+
+def test_the_deadline_waits_for_a_stop_save(tmp_path: Path) -> None:
+    """The submit task's deadline after submitit's signal requeues a run that did not stop in time, but not one
+    that is saving to stop: the requeue would bring Slurm's SIGTERM into the save."""
+    calls: list[int] = []
+    chain = _SignalChain(signal.SIGUSR2, tmp_path, 0, 5)
+    chain._submitit_handler = lambda signum, frame: calls.append(signum)
+    with StopRequest(tmp_path).saving():
+        chain._on_deadline(signal.SIGALRM, None)
+    assert calls == []
+    chain._on_deadline(signal.SIGALRM, None)  # no save running: training did not stop in time
+    assert calls == [signal.SIGUSR2]

@@ -137,21 +137,21 @@ def preempted(run: Run) -> int:
     """The stop save of the agreed step, then the stop record (rank 0, once the save is on storage: what every
     launcher reads to tell "saved, requeue me" from a lost save), then exit 143 on every rank."""
     step = run.state.step
-    run.stop.answered = True
-    run.parts.guard.check(step, run.state)
-    reasons = distributed.any_flags(run.stop.reasons(), run.rt)
-    log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
-    run.checkpointer.save(step, stop=True)
-    run.writer.commit()
-    # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
-    # nobody exits before rank 0's checkpoint is on disk.
-    run.checkpointer.manager.wait()
-    run.reporter.close(status(run))
-    if run.env.is_main:
-        run.stop.record(step, reasons)
-        if run.env.launcher == "single":  # no launcher to requeue it: the user resumes it
-            log.info("the stop save of step %d is on storage: run the same command again to resume from it", step)
-    distributed.barrier(run.rt)
+    with run.stop.saving():
+        run.parts.guard.check(step, run.state)
+        reasons = distributed.any_flags(run.stop.reasons(), run.rt)
+        log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
+        run.checkpointer.save(step, stop=True)
+        run.writer.commit()
+        # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
+        # nobody exits before rank 0's checkpoint is on disk.
+        run.checkpointer.manager.wait()
+        run.reporter.close(status(run))
+        if run.env.is_main:
+            run.stop.record(step, reasons)
+            if run.env.launcher == "single":  # no launcher to requeue it: the user resumes it
+                log.info("the stop save of step %d is on storage: run the same command again to resume from it", step)
+        distributed.barrier(run.rt)
     return EXIT_PREEMPTED
 
 

@@ -25,12 +25,13 @@ the ``--signal`` lead time; Kubernetes: terminationGracePeriodSeconds). A second
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -51,6 +52,15 @@ def process_age_s() -> float:
 
 
 _IMPORTED = time.monotonic()
+
+_STOP_SAVE = threading.Event()
+"""Set while this process answers a stop (the stop save, the record): process-wide, like the signals."""
+
+
+def stop_save_running() -> bool:
+    """Whether this process is saving to answer a stop: a deadline around the trainer (the submit task's) waits
+    for it instead of tearing the save."""
+    return _STOP_SAVE.is_set()
 
 
 def attempt_age_s(environ: Mapping[str, str]) -> float:
@@ -155,6 +165,16 @@ class StopRequest:
         if self.budget_spent():
             return "time budget: train.max_time spent"
         return "another rank's request"
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around the stop save and the record (``stop_save_running``)."""
+        self.answered = True
+        _STOP_SAVE.set()
+        try:
+            yield
+        finally:
+            _STOP_SAVE.clear()
 
     def record(self, step: int, reasons: list[bool]) -> None:
         """Rank 0, once the stop checkpoint of ``step`` is on storage: the stop record every launcher acts on

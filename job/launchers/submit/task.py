@@ -18,6 +18,7 @@ from submitit.core import utils as submitit_utils
 
 from job.cluster import stop
 from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, run_command
+from job.train.preempt import stop_save_running
 
 
 def node_address(name: str) -> str:
@@ -139,6 +140,9 @@ class _SignalChain:
             signal.alarm(self.grace_s)
 
     def _on_deadline(self, signum: int, frame: FrameType | None) -> None:
+        if stop_save_running():  # a requeue now would bring Slurm's SIGTERM into the save: it ends with 143 first
+            print(f"submit task: {self.grace_s} s passed during the stop save: requeueing after it", flush=True)
+            return
         print(f"submit task: training did not stop within {self.grace_s} s: requeueing now", flush=True)
         self.call_submitit(self.signum)
 
