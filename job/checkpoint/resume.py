@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,6 +47,32 @@ MAY_CHANGE = (
     "model.compile",  # and model.compile_mode: the same graph run by other kernels, the same state-dict keys
 )
 
+# Settings that change the math: a resume with another value is refused (ckpt.allow_config_change allows it).
+# Every setting is in MAY_CHANGE (by prefix) or here (by name): a new setting must be classified in one of them
+# (tests/test_resume_settings.py). A checkpoint saved before a setting existed resumes while that setting holds
+# its default.
+MUST_MATCH = frozenset(
+    {
+        *("data.augment", "data.image_size", "data.num_classes", "data.source", "data.synthetic_train_size"),
+        *("data.synthetic_val_size", "data.train_shards", "data.val_shards"),
+        *("ddp.bucket_cap_mb", "ddp.comm_hook", "ddp.gradient_as_bucket_view", "ddp.powersgd_rank"),
+        *("ddp.powersgd_start_iter", "ddp.static_graph", "ema.decay", "ema.enabled", "ema.every"),
+        *("model.channels_last", "model.name", "model.norm", "model.sync_bn", "model.zero_init_residual"),
+        *("optim.betas", "optim.lr", "optim.lr_scaling", "optim.lr_scaling_base", "optim.momentum", "optim.name"),
+        *("optim.nesterov", "optim.trust_coeff", "optim.weight_decay", "optim.zero"),
+        *("report.enabled", "report.file", "report.slurm_comment", "report.slurm_every_s", "report.trainjob"),
+        *("run.seed", "sched.div_factor", "sched.final_div_factor", "sched.gamma", "sched.milestones"),
+        *("sched.min_lr_factor", "sched.name", "sched.pct_start", "sched.step_size", "sched.warmup_start_factor"),
+        *("sched.warmup_steps", "task.name", "train.global_batch_size", "train.grad_clip_norm"),
+        *("train.label_smoothing", "train.micro_batch_size", "train.precision", "train.tf32"),
+    }
+)
+
+
+def unclassified(keys: Iterable[str]) -> list[str]:
+    """The settings among ``keys`` (flattened, ``section.field``) that are neither MAY_CHANGE nor MUST_MATCH."""
+    return sorted(k for k in keys if not k.startswith(MAY_CHANGE) and k not in MUST_MATCH)
+
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This rank's RNG states in types that ``torch.load(weights_only=True)`` accepts."""
@@ -78,12 +104,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def config_differences(saved: dict[str, Any], current: JobConfig) -> list[str]:
+    """The settings that differ and must match. A setting the checkpoint predates differs only where it is not
+    at its default now."""
     a, b = flatten(saved), flatten(config_to_dict(current))
+    defaults = flatten(config_to_dict(type(current).model_construct()))
     keys = sorted(set(a) | set(b))
     return [
         f"{k}: checkpoint {a.get(k)!r} -> now {b.get(k)!r}"
         for k in keys
-        if a.get(k) != b.get(k) and not k.startswith(MAY_CHANGE)
+        if a.get(k) != b.get(k) and not k.startswith(MAY_CHANGE) and not (k not in a and b.get(k) == defaults.get(k))
     ]
 
 
