@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from support.cli import base_env, run_cli
 
 from job.config import JobConfig, config_to_dict, dump_config, flatten, load_config
+from job.config.load import setting_names
 from job.config.plan import make_plan
 from job.errors import BadInput
 
@@ -288,3 +289,26 @@ def test_max_time_is_a_duration_naming_the_setting() -> None:
     assert load_config([], {}).train.max_time_s is None
     with pytest.raises(BadInput, match=r"train\.max_time"):
         load_config(["--train.max-time", "soon"], {})
+
+
+def test_nested_settings_are_named_down_to_their_leaves() -> None:
+    """A setting that is itself a model (``train.early_stop``) is a flag, and so is each field below it: the
+    unknown-flag check and the snake_case spellings know them all."""
+
+    class Stop(BaseModel):
+        metric: str = "loss"
+        patience: int = 3
+
+    class Train(BaseModel):
+        steps: int = 1
+        early_stop: Stop = Stop()
+
+    class Root(BaseModel):
+        train: Train = Train()
+
+    assert setting_names(Root, "train") == [
+        "train.steps",
+        "train.early_stop",
+        "train.early_stop.metric",
+        "train.early_stop.patience",
+    ]

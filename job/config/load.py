@@ -128,12 +128,20 @@ def _check_env(environ: Mapping[str, str]) -> None:
 
 
 def _setting_names() -> list[str]:
-    """Every setting as ``section.field_name``."""
-    names: list[str] = []
-    for section, field in JobConfig.model_fields.items():
-        model = field.annotation
-        if isinstance(model, type) and issubclass(model, BaseModel):
-            names.extend(f"{section}.{name}" for name in model.model_fields)
+    """Every setting as ``section.field_name``, nested ones as ``section.field.subfield``."""
+    return [name for section in JobConfig.model_fields for name in setting_names(JobConfig, section)]
+
+
+def setting_names(model: type[BaseModel], name: str, prefix: str = "") -> list[str]:
+    """The dotted names of ``model``'s field ``name`` and, where that field is itself a model (a section, or a
+    nested setting such as ``train.early_stop``), of every field below it. The sections themselves are not
+    settings."""
+    annotation = model.model_fields[name].annotation
+    dotted = prefix + name
+    names = [dotted] if prefix else []
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for sub in annotation.model_fields:
+            names.extend(setting_names(annotation, sub, dotted + "."))
     return names
 
 
@@ -164,7 +172,6 @@ def _check_flags(argv: Sequence[str]) -> None:
 def _problem(e: Any) -> BadInput:
     """One pydantic error as a BadInput naming the setting, its value and the fix."""
     loc = ".".join(str(p) for p in e["loc"])
-    section = str(e["loc"][0]) if e["loc"] else ""
     if e["type"] != "extra_forbidden":
         flag = "--" + loc.replace("_", "-")
         env = ENV_PREFIX + loc.upper().replace(".", "__")
@@ -174,10 +181,11 @@ def _problem(e: Any) -> BadInput:
             setting=loc,
             value=e.get("input"),
         )
-    model = JobConfig.model_fields.get(section)
+    parent = ".".join(str(p) for p in e["loc"][:-1])
+    fields = [n[len(parent) + 1 :] for n in _setting_names() if n.startswith(parent + ".")]
     valid = ""
-    if model is not None and len(e["loc"]) > 1 and isinstance(model.annotation, type):
-        valid = f" Valid fields of {section}: {', '.join(model.annotation.model_fields)}."
+    if len(e["loc"]) > 1 and fields:
+        valid = f" Valid fields of {parent}: {', '.join(f for f in fields if '.' not in f)}."
     elif len(e["loc"]) == 1:
         valid = f" Valid sections: {_sections()}."
     return BadInput(
