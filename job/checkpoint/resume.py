@@ -34,6 +34,7 @@ MAY_CHANGE = (
     "train.max_nonfinite_skips",
     "ckpt.",
     "log.",
+    "trackers.",  # where the step records are also sent: the tracker run's id lives in the run directory
     "doctor.",
     "observe.",
     "debug.",
