@@ -117,7 +117,7 @@ def test_preflight_refuses_ddp_that_cannot_fit_where_fsdp_would(tmp_path: Path, 
     cfg = load_config(lm_args(tmp_path), {})
     env = detect_env(TWO_RANKS)
     pre = job_run.preflight(cfg, env)  # the real capacity: this small model fits
-    ddp, fsdp = job_run.memory_estimates(cfg, 2, pre.task, pre.checked)
+    ddp, fsdp = job_run.memory_estimates(cfg, 2, pre.task, pre.checked, 2)
     assert ddp.activations > 0 and ddp.activations == fsdp.activations  # saved tensors of the preflight batch
     monkeypatch.setattr(memory, "capacity_bytes", lambda device, local_world_size: (ddp.total + fsdp.total) // 2)
     with pytest.raises(DoesNotFit) as info:

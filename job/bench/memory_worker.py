@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     env = detect_env(os.environ)
     metrics.setup_console(env.rank, env.world_size)
     pre = job_run.preflight(cfg, env)
-    estimates = job_run.memory_estimates(cfg, env.world_size, pre.task, pre.checked)
+    estimates = job_run.memory_estimates(cfg, env.world_size, pre.task, pre.checked, env.local_world_size)
     assert estimates is not None  # ddp or fsdp: the benchmark runs no other strategy
     rt = distributed.setup(env, cfg.dist)
     try:

@@ -463,6 +463,13 @@ class FsdpConfig(BaseModel):
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward (gathered again for backward): less memory, one
     all-gather more per unit and micro-batch."""
+    replicate_degree: int = Field(0, ge=0)
+    """HSDP: how many copies of the sharded model the job holds (the device mesh's outer dimension, torchtitan's
+    data_parallel_replicate_degree); gradients are reduce-scattered within a shard group, then all-reduced across
+    the copies. 0: world_size / shard_degree. replicate_degree x shard_degree must be the world size."""
+    shard_degree: int = Field(0, ge=0)
+    """Ranks each copy is sharded over (consecutive ranks: one node's processes). 0: world_size / replicate_degree;
+    both 0: shard within a node, replicate across nodes (one node: shard over all ranks). docs/sharding.md."""
 
 
 class EmaConfig(BaseModel):

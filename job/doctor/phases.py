@@ -53,7 +53,7 @@ class Probes:
     """The config's model (built on the meta device, or the one preflight built: the checkpoint's size)."""
     describe_data: Callable[[JobConfig], str]
     """The config's data, read as training will read it, in one line; raises BadInput naming what is wrong."""
-    memory: Callable[[JobConfig, int], tuple[MemoryEstimate, MemoryEstimate] | None] | None = None
+    memory: Callable[[JobConfig, int, int], tuple[MemoryEstimate, MemoryEstimate] | None] | None = None
     """The (ddp, fsdp) memory estimates per device at a world size (job.parallel.memory), activations measured
     on the preflight batch; None where the run's strategy has none (dp)."""
 
@@ -130,7 +130,7 @@ def memory_checks(cfg: JobConfig, env: DistEnv, backend: str, probes: Probes) ->
     if probes.memory is None:
         return []
     try:
-        estimates = probes.memory(cfg, env.world_size)
+        estimates = probes.memory(cfg, env.world_size, env.local_world_size)
         device = distributed.pick_device(env, backend)
     except BadInput:  # config.batch, config.model or topology.gpus says what is wrong
         return []

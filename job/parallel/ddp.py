@@ -28,7 +28,7 @@ from job.errors import BadInput
 log = logging.getLogger("job")
 
 
-def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
+def validate(cfg: JobConfig, world_size: int, cuda_available: bool, local_world_size: int) -> None:
     """Refuse combinations that cannot work, before any process group or device work.
 
     Raises:
@@ -46,7 +46,7 @@ def validate(cfg: JobConfig, world_size: int, cuda_available: bool) -> None:
     if cfg.train.strategy == "fsdp":
         from job.parallel import fsdp
 
-        fsdp.validate(cfg)
+        fsdp.validate(cfg, world_size, local_world_size)
     if cfg.train.strategy != "dp":
         return
     if not cuda_available:

@@ -1,5 +1,7 @@
-"""``train.strategy: fsdp``: parameters, gradients and optimizer state sharded over all ranks with FSDP2
-(``torch.distributed.fsdp.fully_shard``) on a 1-D device mesh.
+"""``train.strategy: fsdp``: parameters, gradients and optimizer state sharded with FSDP2
+(``torch.distributed.fsdp.fully_shard``) on a ``replicate x shard`` device mesh (``mesh_shape``): sharded over
+``fsdp.shard_degree`` ranks, each shard group replicated ``fsdp.replicate_degree`` times (HSDP: a reduce-scatter
+within the shard group, then an all-reduce of the shards across groups). One group (replicate 1) is plain fsdp.
 
 The units (modules whose parameters are gathered together, one all-gather each) are the modules whose class
 names ``fsdp.units`` lists, else those the task's optional ``shard_units(model)`` returns; the root is always
@@ -24,15 +26,64 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from job.config import JobConfig
+from job.config.schema import FsdpConfig
 from job.errors import BadInput
 
+MESH_DIMS = ("replicate", "shard")
+"""The device mesh's dimensions, outer first: ranks ``r * shard_degree .. (r + 1) * shard_degree - 1`` form shard
+group ``r``, consecutive ranks as every launcher numbers one node's processes."""
 
-def validate(cfg: JobConfig) -> None:
+
+def default_shape(world_size: int, local_world_size: int) -> tuple[int, int]:
+    """Shard within a node, replicate across nodes; one node (or nodes of unequal size): shard over all ranks."""
+    if 0 < local_world_size < world_size and world_size % local_world_size == 0:
+        return world_size // local_world_size, local_world_size
+    return 1, world_size
+
+
+def mesh_label(shape: tuple[int, int]) -> str:
+    """``hsdp 2x2`` (replicate x shard), or ``fsdp 1x4`` for one shard group."""
+    kind = "fsdp"
+    if shape[0] > 1:
+        kind = "hsdp"
+    return f"{kind} {shape[0]}x{shape[1]}"
+
+
+def mesh_shape(cfg: FsdpConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
+    """``(replicate_degree, shard_degree)`` of the run: the settings, a 0 among them filled in from the other, and
+    with both 0 ``default_shape``.
+
+    Raises:
+        BadInput: a shape whose product is not ``world_size``, naming both settings and a shape that fits.
+    """
+    replicate, shard = cfg.replicate_degree, cfg.shard_degree
+    if replicate == 0 and shard == 0:
+        return default_shape(world_size, local_world_size)
+    if replicate == 0 and world_size % shard == 0:
+        replicate = world_size // shard
+    if shard == 0 and world_size % replicate == 0:
+        shard = world_size // replicate
+    if replicate * shard != world_size:
+        fit_replicate, fit_shard = default_shape(world_size, local_world_size)
+        raise BadInput(
+            f"fsdp.replicate_degree={cfg.replicate_degree} x fsdp.shard_degree={cfg.shard_degree} does not divide "
+            f"the {world_size} processes of this job ({local_world_size} per node) into a mesh: "
+            "replicate_degree x shard_degree must be the world size.",
+            f"--fsdp.replicate-degree {fit_replicate} --fsdp.shard-degree {fit_shard} (shard within a node, "
+            "replicate across nodes), or leave both 0 to get that shape.",
+            setting="fsdp.replicate_degree",
+            value=[cfg.replicate_degree, cfg.shard_degree],
+        )
+    return replicate, shard
+
+
+def validate(cfg: JobConfig, world_size: int, local_world_size: int) -> None:
     """Refuse settings that make no sense under fsdp, before any process group.
 
     Raises:
         BadInput: naming both settings and the fix.
     """
+    mesh_shape(cfg.fsdp, world_size, local_world_size)
     if cfg.optim.zero:
         raise BadInput(
             "optim.zero=true with train.strategy='fsdp': FSDP already shards the optimizer state (and the "
@@ -133,10 +184,14 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def shard(model: nn.Module, cfg: JobConfig, task: Any, device: torch.device, world_size: int) -> nn.Module:
-    """Shard ``model`` (on ``device``, identical on every rank, or on the meta device) in place over all ranks:
-    each unit, then the root. Its parameters become DTensors holding this rank's dim-0 chunk; the rest is freed."""
-    mesh = init_device_mesh(device.type, (world_size,))
+def shard(model: nn.Module, cfg: JobConfig, task: Any, device: torch.device, shape: tuple[int, int]) -> nn.Module:
+    """Shard ``model`` (on ``device``, identical on every rank, or on the meta device) in place on the
+    ``(replicate, shard)`` mesh (``mesh_shape``): each unit, then the root. Its parameters become DTensors holding
+    this rank's dim-0 chunk of its shard group; the rest is freed."""
+    # One shard group is plain fsdp on a 1-D mesh: its checkpoints and steps stay what they were.
+    mesh = init_device_mesh(device.type, (shape[1],))
+    if shape[0] > 1:
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": cfg.fsdp.reshard_after_forward,

@@ -4,7 +4,8 @@
 process group or a device. Per device it counts:
 
 - parameters: every parameter (4 B each in fp32) under ddp; under fsdp this rank's dim-0 chunk of each, padded as
-  FSDP2 pads it (``ceil(dim0 / world_size)`` rows: the largest chunk any rank holds). Buffers are replicated.
+  FSDP2 pads it (``ceil(dim0 / shard_degree)`` rows: the largest chunk any rank holds; shard_degree is the world size
+  unless HSDP replicates the shard groups). Buffers are replicated.
 - gradients: the same size as the trainable parameters' chunks (DDP's gradients are views into its buckets, so no
   second copy); under fsdp with gradient accumulation each rank keeps the unsharded gradients between
   micro-batches (one reduce-scatter per optimizer step), the whole model's.
@@ -54,6 +55,15 @@ class Setup:
     precision: str = "fp32"
     ema: bool = False
     grad_accum_steps: int = 1
+    shard_degree: int = 0
+    """Ranks fsdp shards over (job.parallel.fsdp.mesh_shape); 0: all ``world_size``."""
+
+    @property
+    def shards(self) -> int:
+        """Over how many ranks the state is split: 1 under ddp."""
+        if self.strategy != "fsdp":
+            return 1
+        return self.shard_degree or self.world_size
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,16 @@ class MemoryEstimate:
     ema: int
     gathered_unit: int
     activations: int
+    shards: int = 1
+
+    @property
+    def label(self) -> str:
+        """``ddp x4``, or the fsdp mesh: ``fsdp 1x4``, ``hsdp 2x2`` (job.parallel.fsdp.mesh_label)."""
+        if self.strategy != "fsdp":
+            return f"{self.strategy} x{self.world_size}"
+        from job.parallel.fsdp import mesh_label
+
+        return mesh_label((self.world_size // self.shards, self.shards))
 
     @property
     def state(self) -> int:
@@ -81,7 +101,7 @@ class MemoryEstimate:
     def table(self, other: MemoryEstimate | None = None) -> str:
         """Rows of MiB, this estimate's column first and ``other``'s beside it."""
         columns = [self] + ([other] if other is not None else [])
-        head = "".join(f"{f'{e.strategy} x{e.world_size}':>14}" for e in columns)
+        head = "".join(f"{e.label:>14}" for e in columns)
         lines = [f"{'per device [MiB]':<16}{head}"]
         for row in (*ROWS, "total"):
             lines.append(f"{row:<16}" + "".join(f"{getattr(e, row) / 2**20:>14.1f}" for e in columns))
@@ -114,7 +134,7 @@ def gathered_unit_bytes(model: nn.Module, units: list[nn.Module], precision: str
 
 def estimate(model: nn.Module, units: list[nn.Module], setup: Setup, activation_bytes: int = 0) -> MemoryEstimate:
     """Per-device bytes of ``model`` trained under ``setup``; ``activation_bytes``: one micro-batch's."""
-    shards = setup.world_size if setup.strategy == "fsdp" else 1
+    shards = setup.shards
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -140,11 +160,12 @@ def estimate(model: nn.Module, units: list[nn.Module], setup: Setup, activation_
         ema=param_bytes if setup.ema else 0,
         gathered_unit=gathered,
         activations=activation_bytes,
+        shards=shards,
     )
 
 
-def setup_of(cfg: JobConfig, world_size: int, grad_accum_steps: int) -> Setup:
-    """The ``Setup`` of a run's config."""
+def setup_of(cfg: JobConfig, world_size: int, grad_accum_steps: int, shard_degree: int = 0) -> Setup:
+    """The ``Setup`` of a run's config; ``shard_degree``: of its fsdp mesh (job.parallel.fsdp.mesh_shape)."""
     return Setup(
         strategy=cfg.train.strategy,
         world_size=world_size,
@@ -154,6 +175,7 @@ def setup_of(cfg: JobConfig, world_size: int, grad_accum_steps: int) -> Setup:
         precision=cfg.train.precision,
         ema=cfg.ema.enabled,
         grad_accum_steps=grad_accum_steps,
+        shard_degree=shard_degree,
     )
 
 
@@ -189,7 +211,7 @@ def require_fits(strategy: str, ddp: MemoryEstimate, fsdp: MemoryEstimate, capac
     raise DoesNotFit(
         f"train.strategy={strategy!r} needs about {ddp.total / mib:.0f} MiB per device (parameters, gradients, "
         f"optimizer state and activations of one micro-batch), more than the {capacity / mib:.0f} MiB this "
-        f"device has for each process; sharded over {fsdp.world_size} processes it needs "
+        f"device has for each process; sharded over {fsdp.shards} processes ({fsdp.label}) it needs "
         f"{fsdp.total / mib:.0f} MiB.\n{ddp.table(fsdp)}",
         "--train.strategy fsdp (docs/sharding.md); an estimate you know to be wrong: --doctor.enabled false.",
         setting="train.strategy",

@@ -137,10 +137,13 @@ def _sharded(
     if replay is None:
         raw_model = raw_model.to(device)
     ema = build_ema(raw_model, cfg.ema)
+    shape = fsdp.mesh_shape(cfg.fsdp, env.world_size, env.local_world_size)
+    if env.is_main:
+        log.info("fsdp mesh: %s (replicate x shard; docs/sharding.md)", fsdp.mesh_label(shape))
     if ema is not None:
-        fsdp.shard(ema.module, cfg, task, device, env.world_size)
+        fsdp.shard(ema.module, cfg, task, device, shape)
     units_compiled = _prepare_units(raw_model, cfg, task)
-    raw_model = fsdp.shard(raw_model, cfg, task, device, env.world_size)
+    raw_model = fsdp.shard(raw_model, cfg, task, device, shape)
     if replay is not None:
         replay.materialise(raw_model, device)
         if ema is not None:

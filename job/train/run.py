@@ -67,7 +67,7 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
     cuda = torch.cuda.is_available()
     gpu.check_node(os.environ)  # a GPU node whose CUDA is unusable would train on the CPU
     plan = make_plan(cfg, env.world_size)
-    parallel.validate(cfg, env.world_size, cuda)
+    parallel.validate(cfg, env.world_size, cuda, env.local_world_size)
     if cfg.train.precision == "fp16" and not cuda:
         raise BadInput(
             "train.precision='fp16' needs CUDA (fp16 autocast on CPU is not supported).",
@@ -91,10 +91,11 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
 
 
 def memory_estimates(
-    cfg: JobConfig, world_size: int, task: Bound, checked: Checked
+    cfg: JobConfig, world_size: int, task: Bound, checked: Checked, local_world_size: int
 ) -> tuple[memory.MemoryEstimate, memory.MemoryEstimate] | None:
     """(ddp, fsdp) bytes per device of the model preflight built, activations scaled from the preflight batch to
-    one micro-batch; None under dp (one process, many GPUs: no per-device arithmetic here)."""
+    one micro-batch, fsdp on the run's mesh (HSDP across nodes: job.parallel.fsdp.mesh_shape); None under dp (one
+    process, many GPUs: no per-device arithmetic here)."""
     if cfg.train.strategy == "dp":
         return None
     plan = make_plan(cfg, world_size)
@@ -103,14 +104,15 @@ def memory_estimates(
     except BadInput:  # units that do not exist under ddp: fsdp would refuse them (check_units)
         units = []
     activations = round(checked.saved_bytes_per_item * plan.micro_batch_size)
-    setup = memory.setup_of(cfg, world_size, plan.grad_accum_steps)
+    _, shard_degree = fsdp.mesh_shape(cfg.fsdp, world_size, local_world_size)
+    setup = memory.setup_of(cfg, world_size, plan.grad_accum_steps, shard_degree)
     return memory.both(checked.model, units, setup, activations)
 
 
 def check_memory(cfg: JobConfig, env: DistEnv, task: Bound, checked: Checked, cuda: bool) -> None:
     """The doctor's memory verdict, before any process group: a ddp run that cannot fit its device where fsdp
     would is exit 2 naming train.strategy (job.parallel.memory.require_fits)."""
-    estimates = memory_estimates(cfg, env.world_size, task, checked)
+    estimates = memory_estimates(cfg, env.world_size, task, checked, env.local_world_size)
     if estimates is None:
         return
     try:
@@ -140,7 +142,7 @@ def preflight_probes(pre: Preflight | None = None) -> doctor.Probes:
         return doctor.Probes(
             build_model=lambda _cfg: checked.model,
             describe_data=lambda _cfg: checked.data,
-            memory=lambda cfg, world_size: memory_estimates(cfg, world_size, task, checked),
+            memory=lambda cfg, world_size, local: memory_estimates(cfg, world_size, task, checked, local),
         )
     once: dict[str, tuple[Bound, Checked]] = {}
 
@@ -154,7 +156,7 @@ def preflight_probes(pre: Preflight | None = None) -> doctor.Probes:
     return doctor.Probes(
         build_model=_meta_model,
         describe_data=lambda cfg: checked_task(cfg)[1].data,
-        memory=lambda cfg, world_size: memory_estimates(cfg, world_size, *checked_task(cfg)),
+        memory=lambda cfg, world_size, local: memory_estimates(cfg, world_size, *checked_task(cfg), local),
     )
 
 

@@ -138,12 +138,12 @@ def meta_run() -> dict:
     with LiveBytes() as meta:
         model, replay = meta_init.build(lambda: GPT(gpt), seed=5)
         assert replay is not None, "the GPT fell back to the CPU build"
-        fsdp.shard(model, cfg, None, torch.device("cpu"), dist.get_world_size())
+        fsdp.shard(model, cfg, None, torch.device("cpu"), (1, dist.get_world_size()))
         replay.materialise(model, torch.device("cpu"))
     with LiveBytes() as cpu:
         torch.manual_seed(5)
         whole = GPT(gpt)
-        fsdp.shard(whole, cfg, None, torch.device("cpu"), dist.get_world_size())
+        fsdp.shard(whole, cfg, None, torch.device("cpu"), (1, dist.get_world_size()))
     params = list(model.parameters())
     out["meta_peak"], out["cpu_peak"] = meta.peak, cpu.peak
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
