@@ -22,7 +22,8 @@ NAMES = {
     "sync-modes": "DDP ring all-reduce vs an RPC parameter server: step time, counted bytes, N = 2, 3, 4",
     "scaling": "GPU only: ResNet-50 bf16 channels_last images/s and MFU vs batch size",
     "rollback": "bytes the non-finite rollback moves per step beside the update, and the copy it keeps",
-    "memory": "ddp vs fsdp at 1, 2, 4 processes: state bytes and peak memory per rank, estimate, step-time ratio",
+    "memory": "ddp vs fsdp (and hsdp) at 1, 2, 4 processes: state and peak memory per rank, estimate, step ratio",
+    "traffic": "bytes sent per step within a node and across nodes, ddp/fsdp/hsdp: traffic_worker counts vs formulas",
     "crops": "the device decode path's batched crop vs per-image kernels and roi_align: pixels and ms",
 }
 USAGE = "usage: ddp-job bench NAME [--quick] [options]\n\n" + "".join(f"  {k:<12} {v}\n" for k, v in NAMES.items())

@@ -1,10 +1,10 @@
-"""Memory per rank, ddp vs fsdp, at 1, 2 and 4 processes: ddp-job's real runs of the causal language model
+"""Memory per rank, ddp vs fsdp (and hsdp 2 x nproc/2 from 4 processes), at 1, 2 and 4 processes: ddp-job's real runs of the causal language model
 (``job/bench/memory_worker.py``), a few AdamW steps each, on CPU+gloo (CUDA+NCCL where there is a GPU).
 
 Per run and rank: the state bytes it holds as an optimizer step starts (local storage of parameters, gradients,
 optimizer state), the peak RSS (``ru_maxrss``; CUDA: ``max_memory_allocated``) and the median step time after the
 first step. Beside each, the estimate of job.parallel.memory for the same run. The goal: fsdp's state per rank at
-most 1.1 x ddp's / world_size + one gathered unit. Step time is a ratio fsdp / ddp of runs launched one after the
+most 1.1 x ddp's / shards + one gathered unit (shards: the world size, hsdp's shard degree). Step time is a ratio fsdp / ddp of runs launched one after the
 other at the same process count (their order alternates between repetitions), median and spread over ``--reps``.
 
     ddp-job bench memory [--quick] [--nprocs 1,2,4] [--reps 3] [--steps 6] [--n-layer 8] [--n-embd 512]
@@ -22,7 +22,23 @@ from typing import Any
 
 from job.bench import common
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+"""hsdp: fsdp on a mesh of 2 copies x nproc / 2 ranks (fsdp.replicate_degree 2), at even process counts from 4."""
+
+
+def strategies(nproc: int) -> tuple[str, ...]:
+    """What runs at ``nproc`` processes: hsdp needs 2 copies of shard groups of 2 ranks at least."""
+    if nproc >= 4 and nproc % 2 == 0:
+        return STRATEGIES
+    return STRATEGIES[:2]
+
+
+def strategy_args(strategy: str) -> list[str]:
+    if strategy == "hsdp":
+        return ["--train.strategy", "fsdp", "--fsdp.replicate-degree", "2"]
+    return ["--train.strategy", strategy]
+
+
 MIB = 2**20
 
 
@@ -55,7 +71,8 @@ def train_args(a: argparse.Namespace, corpus: Path, run_dir: Path, nproc: int, s
     return [
         *("--task.name", "causal_lm", "--task.options", json.dumps(options), "--data.num-workers", "0"),
         *("--run.output-dir", str(run_dir.parent), "--run.name", run_dir.name),
-        *("--train.strategy", strategy, "--train.steps", str(a.steps + 2)),
+        *strategy_args(strategy),
+        *("--train.steps", str(a.steps + 2)),
         *("--train.global-batch-size", str(a.micro_batch * nproc), "--train.grad-clip-norm", "1.0"),
         *("--optim.name", "adamw", "--optim.lr", "0.001", "--sched.name", "constant"),
         *("--ckpt.every", "0", "--log.every", "1000", "--log.progress", "off", "--log.tensorboard", "false"),
@@ -75,8 +92,7 @@ def one_run(a: argparse.Namespace, tmp: Path, corpus: Path, nproc: int, strategy
 
 def point(ranks: list[dict]) -> dict[str, Any]:
     """One run: the largest rank's numbers (every rank holds about the same), rank 0's step times."""
-    strategy = ranks[0]["strategy"]
-    est = ranks[0]["estimate"][strategy]
+    est = ranks[0]["estimate"][ranks[0]["strategy"]]  # train.strategy: ddp or fsdp (hsdp's on its mesh)
     ddp_est = ranks[0]["estimate"]["ddp"]
     state = {"parameters", "gradients", "optimizer", "ema"}
     return {
@@ -87,7 +103,8 @@ def point(ranks: list[dict]) -> dict[str, Any]:
         "step_s": statistics.median(ranks[0]["step_s"][1:] or ranks[0]["step_s"]),
         "estimate": est,
         "estimate_state": sum(est[k] for k in state),
-        "estimate_total": sum(v for k, v in est.items() if k not in ("strategy", "world_size")),
+        "estimate_total": sum(v for k, v in est.items() if k not in ("strategy", "world_size", "shards")),
+        "estimate_shards": est["shards"],
         "ddp_estimate_state": sum(ddp_est[k] for k in state),
     }
 
@@ -99,10 +116,10 @@ def measure(a: argparse.Namespace, tmp: Path) -> dict[tuple[int, str], list[dict
         common.child_env(tmp),
         a.timeout,
     )
-    points: dict[tuple[int, str], list[dict[str, Any]]] = {(n, s): [] for n in a.nprocs for s in STRATEGIES}
+    points: dict[tuple[int, str], list[dict[str, Any]]] = {(n, s): [] for n in a.nprocs for s in strategies(n)}
     for rep in range(a.reps):
         for nproc in a.nprocs[rep % len(a.nprocs) :] + a.nprocs[: rep % len(a.nprocs)]:
-            order = STRATEGIES if rep % 2 == 0 else STRATEGIES[::-1]
+            order = strategies(nproc) if rep % 2 == 0 else strategies(nproc)[::-1]
             for strategy in order:
                 p = point(one_run(a, tmp, corpus, nproc, strategy, f"{strategy}-p{nproc}-r{rep}"))
                 common.emit_point("memory", {"nproc": nproc, "strategy": strategy, "rep": rep, **p})
@@ -118,7 +135,7 @@ def summarize(a: argparse.Namespace, points: dict[tuple[int, str], list[dict[str
         peak = statistics.median(max(p["peak_rss_bytes"]) for p in ps)
         grew = statistics.median(max(x - y for x, y in zip(p["peak_rss_bytes"], p["rss_start_bytes"])) for p in ps)
         est = ps[0]
-        bound = est["ddp_estimate_state"] / nproc * 1.1 + est["estimate"]["gathered_unit"]
+        bound = est["ddp_estimate_state"] / est["estimate_shards"] * 1.1 + est["estimate"]["gathered_unit"]
         goal = strategy == "ddp" or held <= bound
         step = common.median_spread(p["step_s"] for p in ps)
         result[f"{strategy}-{nproc}"] = {
@@ -145,7 +162,7 @@ def summarize(a: argparse.Namespace, points: dict[tuple[int, str], list[dict[str
             ]
         )
     header = ["procs", "strategy", "state/rank MiB", "estimate state", "estimate total", "peak RSS MiB"]
-    header += ["RSS growth MiB", "goal <= 1.1 ddp/N + unit", "step median [min-max]"]
+    header += ["RSS growth MiB", "goal <= 1.1 ddp/shards + unit", "step median [min-max]"]
     title = f"memory per rank: causal_lm {a.n_layer}x{a.n_embd}, AdamW, micro-batch {a.micro_batch}, {a.steps} steps"
     common.table(title, header, rows)
     ratios = {}

@@ -35,8 +35,9 @@ group ``r``, consecutive ranks as every launcher numbers one node's processes.""
 
 
 def default_shape(world_size: int, local_world_size: int) -> tuple[int, int]:
-    """Shard within a node, replicate across nodes; one node (or nodes of unequal size): shard over all ranks."""
-    if 0 < local_world_size < world_size and world_size % local_world_size == 0:
+    """Shard within a node, replicate across nodes; one node, one process per node (a shard group of one would
+    shard nothing) or nodes of unequal size: shard over all ranks."""
+    if 1 < local_world_size < world_size and world_size % local_world_size == 0:
         return world_size // local_world_size, local_world_size
     return 1, world_size
 
