@@ -212,6 +212,7 @@ def test_every_shipped_config_loads_with_its_values() -> None:
         "cpu-smoke.yaml",
         "lm-cpu.yaml",
         "lm-fsdp.yaml",
+        "lm-hsdp.yaml",
         "resnet50-imagenet.yaml",
         "synthetic-benchmark.yaml",
     ]
