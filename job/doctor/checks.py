@@ -336,7 +336,7 @@ def check_memory(strategy: str, ddp: memory.MemoryEstimate, fsdp: memory.MemoryE
     chosen = fsdp if strategy == "fsdp" else ddp
     text = (
         f"train.strategy={strategy}: about {chosen.total / mib:.0f} MiB per device of {capacity / mib:.0f} MiB "
-        f"(ddp {ddp.total / mib:.0f} MiB, fsdp over {fsdp.world_size} {fsdp.total / mib:.0f} MiB; activations "
+        f"(ddp {ddp.total / mib:.0f} MiB, {fsdp.label} {fsdp.total / mib:.0f} MiB; activations "
         f"{chosen.activations / mib:.0f} MiB from the preflight batch)"
     )
     data = {"ddp": asdict(ddp), "fsdp": asdict(fsdp), "capacity_bytes": capacity, "table": ddp.table(fsdp)}
