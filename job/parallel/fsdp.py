@@ -189,10 +189,10 @@ def shard(model: nn.Module, cfg: JobConfig, task: Any, device: torch.device, sha
     """Shard ``model`` (on ``device``, identical on every rank, or on the meta device) in place on the
     ``(replicate, shard)`` mesh (``mesh_shape``): each unit, then the root. Its parameters become DTensors holding
     this rank's dim-0 chunk of its shard group; the rest is freed."""
-    # One shard group is plain fsdp on a 1-D mesh: its checkpoints and steps stay what they were.
-    mesh = init_device_mesh(device.type, (shape[1],))
     if shape[0] > 1:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    else:  # one shard group is plain fsdp on a 1-D mesh: its checkpoints and steps stay what they were
+        mesh = init_device_mesh(device.type, (shape[1],))
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": cfg.fsdp.reshard_after_forward,
