@@ -194,6 +194,18 @@ class CorruptCheckpointError(CheckpointLoadError):
         self.path, self.found = path, list(found)
 
 
+class CorruptShards(Exception):
+    """Items (or ``.metadata``) of a sharded checkpoint that do not match their sha256, as every rank agreed
+    while reading (``job.checkpoint.verified``); the loader turns it into ``CorruptCheckpointError``."""
+
+    def __init__(self, found: list[str]) -> None:
+        super().__init__("; ".join(found))
+        self.found = found
+
+    def __reduce__(self) -> tuple[Any, ...]:  # DCP pickles a rank's exception to every rank
+        return (CorruptShards, (self.found,))
+
+
 class NonFiniteError(JobError, RuntimeError):
     """More than train.max_nonfinite_skips optimizer updates were skipped for non-finite loss/gradients."""
 

@@ -30,6 +30,7 @@ from job.errors import (
     CheckpointLoadError,
     CheckpointWriteError,
     CollectiveTimeout,
+    CorruptCheckpointError,
     DataStall,
     DoctorFailed,
     DoesNotFit,
@@ -57,6 +58,10 @@ CASES = [
     (CheckpointWriteError("writing checkpoint failed: no space.", "free space."), EXIT_FAILURE),
     (NonFiniteStateError("not saving: NaN in model.w.", "lower optim.lr."), EXIT_FAILURE),
     (CheckpointLoadError("state.pt refused by weights_only=True.", "move it away."), EXIT_FAILURE),
+    (
+        CorruptCheckpointError(Path("run/ckpt/step_00000004"), ["rank 1: shards/__1_0.distcp (item w) does not match"]),
+        EXIT_FAILURE,
+    ),
     (NonFiniteError("too many non-finite steps.", "lower optim.lr."), EXIT_FAILURE),
     (TrainingFailed({"77": 3, "78": 124}, {"77": "a.err", "78": "b.err"}), 124),
     (
@@ -89,6 +94,8 @@ TEXT = {
     "CheckpointWriteError": "writing checkpoint failed: no space. Fix: free space.",
     "NonFiniteStateError": "not saving: NaN in model.w. Fix: lower optim.lr.",
     "CheckpointLoadError": "state.pt refused by weights_only=True. Fix: move it away.",
+    "CorruptCheckpointError": "checkpoint run/ckpt/step_00000004 is corrupt: rank 1: shards/__1_0.distcp (item w) does "
+    "not match. Fix: move run/ckpt/step_00000004 out of the run directory to use the one before (nothing was deleted).",
     "NonFiniteError": "too many non-finite steps. Fix: lower optim.lr.",
     "TrainingFailed": "training failed in job(s) 77 (exit 3), 78 (exit 124). Fix: read the job log(s): a.err, b.err.",
     "BadShard": "shard d/train-000003.tar: not a tar file. Fix: re-create it.",

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from job.checkpoint.digest import FileDigest, Recorder, sha256_of
+from job.errors import CorruptShards
 
 METADATA = ".metadata"
 
@@ -104,17 +105,6 @@ def _without_digest(result: WriteResult, files: dict[str, FileDigest]) -> WriteR
     entry.items[info.offset] = (info.length, info.sha256)
     plain = _StorageInfo(info.relative_path, info.offset, info.length, info.transform_descriptors)
     return WriteResult(index=result.index, size_in_bytes=result.size_in_bytes, storage_data=plain)
-
-
-class CorruptShards(Exception):
-    """Items (or ``.metadata``) of the checkpoint that do not match their sha256, as every rank agreed."""
-
-    def __init__(self, found: list[str]) -> None:
-        super().__init__("; ".join(found))
-        self.found = found
-
-    def __reduce__(self) -> tuple[Any, ...]:  # DCP pickles a rank's exception to every rank
-        return (CorruptShards, (self.found,))
 
 
 _Key = tuple[str, tuple[int, ...], int]
