@@ -410,5 +410,5 @@ def test_dp_strategy_refusals(args: list[str], world_size: int, cuda: bool, frag
 
     cfg = load_config(args, {})
     with pytest.raises(BadInput, match=re.escape(fragment)):
-        validate(cfg, world_size, cuda)
-    validate(load_config(["--train.strategy", "dp"], {}), 1, True)  # one process with GPUs: accepted
+        validate(cfg, world_size, cuda, world_size)
+    validate(load_config(["--train.strategy", "dp"], {}), 1, True, 1)  # one process with GPUs: accepted
