@@ -103,10 +103,12 @@ class Evaluator:
         self.mark(f"evaluating after step {step}")  # before its first collective: a rank stalled here marked it
         distributed.broadcast_buffers(p.raw_model)  # the model rank 0 saves, on every rank
         out = evaluate(p.raw_model, p, self.mark)
+        fsdp.reshard(p.raw_model)  # units left gathered (fsdp.reshard_after_forward: false) back to their shards
         if p.ema is not None:
             self.mark(f"evaluating the EMA after step {step}")
             distributed.broadcast_buffers(p.ema.module)
             out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p, self.mark).items()})
+            fsdp.reshard(p.ema.module)  # the EMA's update writes into its shards
         self.latest = out
         return out
 
