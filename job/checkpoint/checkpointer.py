@@ -72,9 +72,10 @@ class Checkpointer:
 
     def restore(self, found: Found) -> None:
         saved = load_state(found)
-        self.states.load_state_dict(saved)
         if self.manager.sharded is not None:  # verified as it is read: CorruptCheckpointError on every rank
+            # First: the optimizer's saved learning rates, then the schedule's (replayed for another train.steps).
             self.manager.sharded.load(found.path, saved, found.manifest.get("files", {}))
+        self.states.load_state_dict(saved)
         self.manager.resumed_from(found)
         self.saved_step = found.step
         self._run_time_s = float(found.manifest.get(RUN_TIME, 0.0))
