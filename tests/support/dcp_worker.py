@@ -65,10 +65,10 @@ def case(out: Path, saved_as: str, loaded_as: str) -> dict[str, Any]:
     model, optimizer = trained(saved_as)
     want = whole(model, optimizer)
     rank = dist.get_rank()
-    tmp, _ = Sharded(model, optimizer, rank).save(out, f"step-{saved_as}-{loaded_as}", rank == 0)
+    tmp, _, _ = Sharded(model, optimizer, rank).save(out, f"step-{saved_as}-{loaded_as}", rank == 0)
     fresh, fresh_optimizer = build(loaded_as)
     before = whole(fresh, fresh_optimizer)
-    Sharded(fresh, fresh_optimizer, rank).load(tmp, {})
+    Sharded(fresh, fresh_optimizer, rank).load(tmp, {}, {})
     got = whole(fresh, fresh_optimizer)
     assert want.keys() == got.keys(), (sorted(want), sorted(got))
     return {
