@@ -31,7 +31,7 @@ def build(strategy: str) -> tuple[nn.Module, Optimizer]:
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
     if strategy == "fsdp":
         cfg = load_config(["--train.strategy", "fsdp", "--fsdp.units", "[Linear]"], {})
-        fsdp.shard(model, cfg, None, torch.device("cpu"), dist.get_world_size())
+        fsdp.shard(model, cfg, None, torch.device("cpu"), (1, dist.get_world_size()))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     fsdp.init_optimizer_state(optimizer)
     return model, optimizer
