@@ -64,7 +64,7 @@ def _worker(command: str, worker_main: Callable[..., int], argv: list[str]) -> i
 
     cfg = None
     if "--help" not in argv and "-h" not in argv:
-        cfg = load_config(argv)
+        cfg = load_config(argv, command=command)
         nproc = _self_launch_nproc(cfg.dist.nproc_per_node, os.environ)
         if nproc > 1:
             from job.launchers import torchrun as launch

@@ -268,3 +268,105 @@ def test_optimizer_state_created_up_front_trains_like_a_fresh_one(name: str) -> 
             opt.zero_grad()
         trained.append(dict(model.state_dict()))
     assert_bitwise_equal(trained[0], trained[1], name)
+
+
+def _resumable(run_dir: Path, total_steps: int, micro_batch_size: int) -> Any:
+    """A Linear under AdamW + warmup and cosine over ``total_steps`` with the job's checkpointer (one gloo process):
+    (checkpointer, optimizer, scheduler, trainer state)."""
+    from job.checkpoint import cadence
+    from job.checkpoint.checkpointer import Checkpointer
+    from job.checkpoint.sharded import Sharded
+    from job.checkpoint.states import Layout, Progress, Schedule, States
+    from job.config.plan import Plan
+    from job.config.schema import SchedConfig
+    from job.parallel import fsdp
+    from job.train.optim import build_scheduler
+    from job.train.step import TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fsdp.init_optimizer_state(optimizer)
+    scheduler = build_scheduler(optimizer, SchedConfig(name="cosine", warmup_steps=1), total_steps)
+    state = TrainState()
+    layout = Layout(1, Plan(1, 16, micro_batch_size, 16 // micro_batch_size, total_steps, 0.1))
+    states = States()
+    states.add("layout", layout)
+    states.add("trainer", Progress(state, layout, micro_batch_size))
+    states.add("scheduler", Schedule(scheduler, layout, state))
+    manager = store.CheckpointManager(run_dir, 5, False, True, sharded=Sharded(model, optimizer, 0))
+    meta = {"world_size": 1, "plan": layout.current["plan"]}
+    return Checkpointer(manager, states, cadence.Fixed(1), total_steps, lambda: meta), optimizer, scheduler, state
+
+
+def test_a_resume_with_other_steps_and_micro_batch_keeps_the_new_lr_and_the_sample_position(tmp_path: Path) -> None:
+    """Saved after 3 steps of 4 at micro batch 2 (8 micro-batches a step: 24 of them, 48 samples), resumed with
+    train.steps 8 at micro batch 4: the first resumed step runs at the 8-step schedule's learning rate (the
+    optimizer's saved one belongs to the 4-step schedule), and the position is 12 micro-batches of 4 samples."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        saving, optimizer, scheduler, state = _resumable(tmp_path, 4, 2)
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+        state.step, state.micro_batches_in_epoch, state.samples_seen = 3, 24, 48
+        saved_lr = optimizer.param_groups[0]["lr"]
+        saving.save(3)
+        resumed, optimizer, scheduler, state = _resumable(tmp_path, 8, 4)
+        found = store.find_latest(tmp_path)
+        assert found is not None and found.step == 3
+        resumed.restore(found)
+        _, fresh_optimizer, fresh_scheduler, _ = _resumable(tmp_path / "fresh", 8, 4)
+        for _ in range(3):
+            fresh_optimizer.step()
+            fresh_scheduler.step()
+        want = fresh_optimizer.param_groups[0]["lr"]
+        assert abs(want - saved_lr) > 0.01
+        assert optimizer.param_groups[0]["lr"] == want
+        assert state.step == 3 and state.micro_batches_in_epoch == 12 and state.samples_seen == 48
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shards_saved_at_three_ranks_load_the_same_values_under_either_strategy(tmp_path: Path) -> None:
+    """Rows that do not split evenly over 3 ranks (chunks of 3, 3 and 1 rows; of 1, 1 and none), saved as every
+    rank's shards under ddp or fsdp and loaded into a fresh, untrained model and optimizer under either: every
+    parameter, every optimizer state tensor (gathered whole) and the learning rate equal what was saved, on every
+    rank."""
+    import subprocess
+
+    from support import ROOT
+    from support.ci import bin_path
+    from support.cli import base_env
+
+    worker = ROOT / "tests" / "support" / "dcp_worker.py"
+    cmd = [bin_path("torchrun"), "--standalone", "--nproc-per-node=3", str(worker), str(tmp_path)]
+    r = subprocess.run(cmd, env=base_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(results) == ["ddp->ddp", "ddp->fsdp", "fsdp->ddp", "fsdp->fsdp"]
+    for name, ranks in results.items():
+        assert len(ranks) == 3, name
+        for rank in ranks:
+            assert rank["tensors"] == 4 * 4 + 1, (name, rank)  # 4 parameters with exp_avg, exp_avg_sq, step; lr
+            assert rank["fresh_diff"] > 0, (name, rank)  # each tensor differs from the untrained build's
+            assert rank["loaded_diff"] == 0, (name, rank)
+
+
+def test_a_micro_batch_change_that_splits_a_row_is_refused_before_anything_starts() -> None:
+    """At the same world size too: 3 micro-batches of 2 samples (6) are not a whole number of micro-batches of 4."""
+    from job.checkpoint.resume import check_resumable
+    from job.config import config_to_dict, load_config
+    from job.errors import BadInput
+
+    cfg = load_config(["--ckpt.allow-config-change", "true", "--train.micro-batch-size", "4"], {})
+    plan = {"world_size": 1, "global_batch_size": 16, "micro_batch_size": 2}
+    manifest = {"step": 1, "world_size": 1, "plan": plan, "trainer": {"epoch": 0, "micro_batches_in_epoch": 3}}
+    manifest["config"] = config_to_dict(cfg)
+    with pytest.raises(BadInput) as info:
+        check_resumable(manifest, cfg, 1, 4)
+    assert info.value.setting == "train.micro_batch_size" and "6 is not a multiple of 4" in info.value.what
+    manifest["trainer"]["micro_batches_in_epoch"] = 4
+    check_resumable(manifest, cfg, 1, 4)  # 8 samples: 2 micro-batches of 4

@@ -167,6 +167,33 @@ def test_a_step_directory_exports_that_step_and_a_bad_one_is_exit_2(
 
 
 @pytest.mark.integration
+def test_model_weights_naming_a_step_directory_or_its_state_pt_verifies_it_as_export_does(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """A checkpoint as ``model.weights`` is read only when its files match their sha256: a flipped byte in one
+    rank's shard is a WeightsError naming the setting and the checkpoint, not weights loaded without a word."""
+    from job.checkpoint import weights
+    from job.config import ModelConfig
+    from job.errors import WeightsError
+
+    step = runs["out"] / "fsdp" / "step-0000004"
+    read = weights.read_file(ModelConfig(weights=str(step / "state.pt")))
+    assert_bitwise_equal(read, shards(step, tmp_path)["model"], "step 4")
+    broken = tmp_path / "run" / "step-0000004"
+    shutil.copytree(step, broken)
+    shard = broken / "shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for path in (broken, broken / "state.pt"):
+        with pytest.raises(WeightsError) as info:
+            weights.read_file(ModelConfig(weights=str(path)))
+        err = info.value
+        assert err.setting == "model.weights" and "sha256" in err.what and str(broken) in err.what, err
+        assert err.exit_code == 2
+
+
+@pytest.mark.integration
 def test_weights_that_do_not_fit_are_exit_2_naming_model_weights_and_the_file(
     runs: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -7,6 +7,8 @@ Real torchrun runs on gloo of the causal language model, its training items coun
   one      resumed from fsdp's step 2 at 1 process, ends at step 6 (its step 4 is saved)
   four     resumed from one's step 4 at 4 processes: the 2 -> 1 -> 4 chain
   again    resumed from four's step 5 at 4 processes (bitwise)
+  kept     resumed from fsdp's step 2 at 2 processes with fsdp.reshard_after_forward false, evaluated after every
+           step: preflight's check and each evaluation leave the units gathered before a step or a save (bitwise)
   compiled resumed from fsdp's step 2 at 2 processes with model.compile and activation checkpointing
 """
 
@@ -81,6 +83,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     logs["four"] = run(4, train_args(out, corpus, "four", *resize), out)
     resume_from(out / "four", 5, out / "again")
     logs["again"] = run(4, train_args(out, corpus, "again", *fsdp), out)
+    resume_from(out / "fsdp", 2, out / "kept")
+    kept = [*fsdp, "--fsdp.reshard-after-forward", "false", "--train.eval-every", "1"]
+    logs["kept"] = run(2, train_args(out, corpus, "kept", *kept), out)
     resume_from(out / "fsdp", 2, out / "compiled")
     compiled = [*fsdp, "--model.compile", "true", "--train.activation-checkpointing", "true"]
     logs["compiled"] = run(2, train_args(out, corpus, "compiled", *compiled), out)
@@ -148,9 +153,11 @@ def test_fsdp_ends_within_fp32_tolerance_of_ddp(runs: dict[str, Any], tmp_path: 
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("name", "n"), [("fsdp", 2), ("four", 4)])
-def test_fsdp_builds_on_meta_and_each_rank_materialises_its_shards(runs: dict[str, Any], name: str, n: int) -> None:
+def test_fsdp_builds_on_meta_and_each_rank_keeps_its_shards(runs: dict[str, Any], name: str, n: int) -> None:
     """The runs above start from the meta model (so the FSDP == DDP comparison checks its initialisation): no
-    fallback to the CPU build, and rank 0 allocated its 1/n of the parameters (job.parallel.meta_init)."""
+    fallback to the CPU build, and rank 0's parameters are its 1/n (job.parallel.meta_init). The log line counts
+    the shards the model holds, not what the process allocated on the way: that no rank holds the whole model
+    while materialising is measured by tracking every live tensor in tests/test_parallel.py."""
     log = runs["logs"][name]
     assert "building the whole model on the CPU" not in log
     held = re.findall(r"model built on the meta device; rank 0 holds (\d+) of its (\d+) parameter bytes", log)
@@ -175,24 +182,30 @@ def test_a_corrupt_shard_or_a_bare_metadata_falls_back_to_the_previous_checkpoin
     runs: dict[str, Any], tmp_path: Path
 ) -> None:
     """A flipped byte in one rank's shard fails verification; a step directory holding DCP's ``.metadata`` but no
-    manifest (a save cut before its commit) is not a checkpoint. Either way the newest valid one is used, and
-    nothing is deleted."""
-    from job.checkpoint import store
-
-    run_dir = tmp_path / "fsdp"
+    manifest (a save cut before its commit) is not a checkpoint. Either way a resume (2 ranks, each verifying what
+    it reads: rank 1 its own shard) uses the newest valid one, and nothing is deleted. The resumed run is asked for
+    4 steps: it restores step 4 and only evaluates, so no save rewrites a step."""
+    run_dir = tmp_path / "runs" / "fsdp"
     shutil.copytree(runs["out"] / "fsdp", run_dir, ignore=shutil.ignore_patterns("visits"))
     shard = run_dir / "step-0000006" / "shards" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     (run_dir / "step-0000005" / "manifest.json").unlink()
-    found = store.find_latest(run_dir)
-    assert found is not None and found.step == 4
+    args = train_args(run_dir.parent, runs["corpus"], "fsdp", "--train.strategy", "fsdp")
+    args[args.index("--train.steps") + 1] = "4"
+    log = run(2, args, tmp_path)
+    skipped = [line for line in log.splitlines() if f"skipping checkpoint {run_dir / 'step-0000006'}" in line]
+    assert skipped and "rank 1:" in skipped[0] and "__1_0.distcp" in skipped[0] and "sha256" in skipped[0], log[-3000:]
+    assert f"resumed from {run_dir / 'step-0000004'} (step 4)" in log and "FINAL step=4 " in log, log[-3000:]
     assert (run_dir / "step-0000005" / "shards" / ".metadata").exists() and shard.exists()
+    assert shard.read_bytes() == bytes(data)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("whole", "resumed"), [("fsdp", "same"), ("four", "again")], ids=["2", "4"])
+@pytest.mark.parametrize(
+    ("whole", "resumed"), [("fsdp", "same"), ("four", "again"), ("fsdp", "kept")], ids=["2", "4", "kept_gathered"]
+)
 def test_resume_at_the_same_world_size_is_bitwise(
     runs: dict[str, Any], tmp_path: Path, whole: str, resumed: str
 ) -> None:

@@ -22,15 +22,20 @@ from job.train import run as job_run
 from job.train.optim import build_optimizer
 
 
-def gpt(n_layer: int = 4, n_embd: int = 64, device: str = "meta") -> GPT:
+def gpt(n_layer: int = 4, n_embd: int = 64, device: str = "meta", vocab_size: int = 256) -> GPT:
     with torch.device(device):
-        return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=n_layer, n_head=4, n_embd=n_embd))
+        return GPT(GPTConfig(vocab_size=vocab_size, seq_len=32, n_layer=n_layer, n_head=4, n_embd=n_embd))
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fsdp_state_per_rank_is_ddp_over_world_size_plus_one_unit(world_size: int, precision: str) -> None:
-    model = gpt(n_layer=6, n_embd=96)
+@pytest.mark.parametrize("vocab_size", [256, 8192], ids=["blocks_largest", "root_largest"])
+def test_fsdp_state_per_rank_is_ddp_over_world_size_plus_the_gathered_units(
+    world_size: int, precision: str, vocab_size: int
+) -> None:
+    """The root (embedding, tied head, final norm) stays gathered beside the unit computed and the one prefetched;
+    with a large vocabulary the root is the largest unit of all."""
+    model = gpt(n_layer=6, n_embd=96, vocab_size=vocab_size)
     ddp, fsdp = memory.both(model, list(model.blocks), Setup("fsdp", world_size, precision=precision, ema=True))
     assert ddp.parameters == 4 * sum(p.numel() for p in model.parameters())  # tied head counted once
     assert ddp.state == 5 * ddp.parameters  # weights, gradients, 2 AdamW moments, EMA: fp32 each
@@ -38,8 +43,14 @@ def test_fsdp_state_per_rank_is_ddp_over_world_size_plus_one_unit(world_size: in
     assert fsdp.state >= ddp.state / world_size  # padded chunks never hold less than their share
     block = sum(p.numel() for p in model.blocks[0].parameters())
     root = sum(p.numel() for p in model.parameters()) - 6 * block  # embeddings and final norm: the root unit
-    assert fsdp.gathered_unit == max(block, root) * {"fp32": 4, "bf16": 2}[precision]
-    assert ddp.gathered_unit == 0
+    assert (root > block) == (vocab_size == 8192)
+    dtype = {"fp32": 4, "bf16": 2}[precision]
+    assert fsdp.gathered_unit == (root + 2 * block) * dtype
+    kept = memory.both(
+        model, list(model.blocks), Setup("fsdp", world_size, precision=precision, reshard_after_forward=False)
+    )
+    assert kept[1].gathered_unit == (root + 6 * block) * dtype  # every unit stays gathered until its backward
+    assert ddp.gathered_unit == kept[0].gathered_unit == 0
 
 
 def test_zero_shards_only_the_optimizer_state() -> None:

@@ -21,14 +21,17 @@ SEED = 11
 
 
 class Tied(nn.Module):
-    """An embedding with a padding row (zeroed through a view), initialisers that skip meta tensors, a weight
-    tied to another, a computed non-persistent buffer and BatchNorm's statistics."""
+    """An embedding with a padding row (zeroed through a view), initialisers that skip meta tensors, a strided slice
+    of a weight drawn in place (its rows lie apart in the storage), a weight tied to another, a computed
+    non-persistent buffer and BatchNorm's statistics."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(40, 16, padding_idx=3)
         self.proj = nn.Linear(16, 16)
         nn.init.trunc_normal_(self.proj.weight, std=0.02, a=-0.04, b=0.04)
+        with torch.no_grad():
+            self.proj.weight[:, :4].normal_(0, 0.5)
         self.mix = nn.Linear(16, 16, bias=False)
         nn.init.orthogonal_(self.mix.weight)
         self.head = nn.Linear(16, 40, bias=False)
@@ -73,6 +76,7 @@ def test_replay_gives_the_cpu_build_bitwise_and_leaves_the_rng_as_it(name: str) 
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
     if name == "tied_padded_orthogonal":  # the cases the test model exists for: really exercised
         assert model.head.weight is model.embed.weight and not model.embed.weight[3].any()
+        assert model.proj.weight[:, :4].abs().max() > 0.04 >= model.proj.weight[:, 4:].abs().max()
         assert torch.allclose(model.mix.weight @ model.mix.weight.T, torch.eye(16), atol=1e-5)
 
 

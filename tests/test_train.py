@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from support import ROOT
 from support.cli import base_env, make_data, run_cli, torchrun
 from support.runs import load_final_state, rank_pids, tfevents_writer
@@ -245,10 +246,21 @@ def test_resume_continues_and_ignores_torn_checkpoint(tmp_path: Path, tiny_data:
     torn = run_dir / "step-0000015.tmp-999-1"  # what a crash mid-save leaves behind
     torn.mkdir()
     (torn / "state.pt").write_bytes(b"\0" * 100)
-    args = exact_args(tiny_data, out, "resume", **{"--ckpt.every": "5", "--train.steps": "20"})
+    over = {"--ckpt.every": "5", "--train.steps": "20", "--train.eval-every": "5"}
+    args = exact_args(tiny_data, out, "resume", **over)
     second = run_cli(["train", *args], env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step-0000010" in second.stdout
+    # 10 steps of 16 of the 64 images: 2 epochs and 2 steps; the console says so, and prints step 15's evaluation
+    m = re.search(
+        r"resumed from \S+ \(step 10\): (\d+) samples consumed; continuing in epoch (\d+) at its sample (\d+)",
+        second.stdout,
+    )
+    assert m and tuple(map(int, m.groups())) == (160, 2, 32), second.stdout[-3000:]
+    vals = re.findall(
+        r"INFO VAL step=(\d+) val_top1=[\d.]+ val_top5=[\d.]+ val_loss=[\d.]+ val_count=(\d+)", second.stdout
+    )
+    assert vals == [("15", str(final(second.stdout)["count"]))], second.stdout[-3000:]
     steps_logged = [int(s) for s in re.findall(r"step (\d+)/20 loss", second.stdout)]
     assert steps_logged == list(range(11, 21))
     assert final(second.stdout)["step"] == 20
@@ -294,6 +306,13 @@ def test_batchnorm_evaluation_describes_the_saved_model(batchnorm_run: tuple[Pat
     r = run_cli(["train", *args], env=base_env(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from" in r.stdout
+    # config.yaml is the run; this attempt's permission to change the world size is not (attempt.yaml)
+    run_yaml, attempt_yaml = (yaml.safe_load((copy / name).read_text()) for name in ("config.yaml", "attempt.yaml"))
+    assert run_yaml["ckpt"]["allow_world_size_change"] is False and run_yaml["model"]["norm"] == "batch"
+    assert attempt_yaml == {
+        "dist": {"nproc_per_node": 0},
+        "ckpt": {"allow_world_size_change": True, "allow_config_change": False},
+    }
     print(f"\n2 ranks:   {final_line(stdout)}\n1 process: {final_line(r.stdout)}")
     assert final(r.stdout) == final(stdout)
     two, one = scalars(run_dir / "tb"), scalars(copy / "tb")
@@ -338,8 +357,13 @@ def test_evaluate_without_a_checkpoint_is_bad_input(tmp_path: Path, capsys: pyte
     out = tmp_path / "runs"
     args = ["evaluate", "--data.source", "synthetic", "--run.output-dir", str(out), "--run.name", "none"]
     assert main(args) == 2
+    (tmp_path / "step-0000003").mkdir()  # a directory without manifest.json, and a mistyped path
     assert main([*args, "--ckpt.path", str(tmp_path / "step-0000003")]) == 2
+    assert main([*args, "--ckpt.path", str(tmp_path / "step-000003")]) == 2
     err = capsys.readouterr().err
     assert f"no valid checkpoint in the run directory {out / 'none'}" in err, err
     assert f"ckpt.path={str(tmp_path / 'step-0000003')!r} is not a complete checkpoint" in err, err
+    assert f"ckpt.path={str(tmp_path / 'step-000003')!r}: no such directory" in err, err
     assert not out.exists()
+    assert main(["evaluate", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: ddp-job evaluate ")

@@ -72,15 +72,15 @@ class Checkpointer:
 
     def restore(self, found: Found) -> None:
         saved = load_state(found)
-        self.states.load_state_dict(saved)
         if self.manager.sharded is not None:  # verified as it is read: CorruptCheckpointError on every rank
+            # First: the optimizer's saved learning rates, then the schedule's (replayed for another train.steps).
             self.manager.sharded.load(found.path, saved, found.manifest.get("files", {}))
+        self.states.load_state_dict(saved)
         self.manager.resumed_from(found)
         self.saved_step = found.step
         self._run_time_s = float(found.manifest.get(RUN_TIME, 0.0))
         self._stop_saves = int(found.manifest.get(STOP_SAVES, 0))
-        epoch = found.manifest.get("trainer", {}).get("epoch", 0)
-        log.info("resumed from %s (step %d, epoch %d)", found.path, found.step, epoch)
+        log.info("resumed from %s (step %d): %s", found.path, found.step, data_position(found.manifest))
 
     def save(self, step: int, stop: bool = False) -> float:
         """Every rank: gather what needs collectives, then rank 0 snapshots and writes (maybe in the background).
@@ -127,3 +127,15 @@ class Checkpointer:
             f"checkpoints: {self.saves} save(s) stopped training for {self.stalled_s:.2f} s, "
             f"{100 * self.stalled_s / elapsed:.2f}% of this attempt's {elapsed:.1f} s"
         )
+
+
+def data_position(manifest: dict[str, Any]) -> str:
+    """Where a resume continues in the data, from a checkpoint's manifest: the samples consumed, and the epoch and
+    sample of that epoch training continues at (the same for any world size: job.checkpoint.resume)."""
+    trainer, plan = manifest.get("trainer", {}), manifest.get("plan", {})
+    epoch = int(trainer.get("epoch", 0))
+    row = int(manifest.get("world_size", 0)) * int(plan.get("micro_batch_size", 0))
+    return (
+        f"{int(trainer.get('samples_seen', 0))} samples consumed; continuing in epoch {epoch} at its sample "
+        f"{int(trainer.get('micro_batches_in_epoch', 0)) * row}"
+    )

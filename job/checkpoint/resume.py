@@ -146,6 +146,14 @@ def map_data_position(
     return samples // row
 
 
+def row_changed(saved: dict[str, Any], world_size: int, micro_batch_size: int) -> bool:
+    """Whether a micro-batch of this layout takes another number of samples than one of the ``saved`` layout
+    (``world_size`` and ``plan``, as a checkpoint's manifest and its layout hold them): the data position, counted
+    in micro-batches, must then be mapped (``map_data_position``)."""
+    plan = saved["plan"]
+    return int(saved["world_size"]) * int(plan["micro_batch_size"]) != world_size * micro_batch_size
+
+
 def check_resumable(
     manifest: dict[str, Any], cfg: JobConfig, world_size: int, micro_batch_size: int | None = None
 ) -> None:
@@ -175,9 +183,8 @@ def check_resumable(
             f"so the sample order is kept when train.global_batch_size is unchanged; per-rank RNG streams are re-seeded "
             f"and results match the uninterrupted run up to floating-point summation order).",
         )
-    trainer, saved_plan = manifest.get("trainer"), manifest.get("plan")
-    if saved_ws != world_size and micro_batch_size is not None and trainer and saved_plan:
-        map_data_position(trainer, saved_plan, world_size, micro_batch_size)  # raises BadInput if it cannot
+    if micro_batch_size is not None:
+        _check_position(manifest, world_size, micro_batch_size)
     if cfg.optim.zero and "optimizer" in sharded_parts(manifest):
         raise BadInput(
             f"the newest checkpoint (step {manifest.get('step')}) holds the optimizer state as every rank's shards "
@@ -186,6 +193,16 @@ def check_resumable(
             setting="optim.zero",
             value=True,
         )
+
+
+def _check_position(manifest: dict[str, Any], world_size: int, micro_batch_size: int) -> None:
+    """The checkpoint's data position maps onto this layout where a micro-batch takes another number of samples
+    (another world size or micro batch): raises BadInput where it cannot (``map_data_position``)."""
+    trainer, saved_plan, saved_ws = manifest.get("trainer"), manifest.get("plan"), manifest.get("world_size")
+    if not trainer or not saved_plan or saved_ws is None:  # an older manifest: the load maps it
+        return
+    if row_changed({"world_size": saved_ws, "plan": saved_plan}, world_size, micro_batch_size):
+        map_data_position(trainer, saved_plan, world_size, micro_batch_size)
 
 
 SHARDS_HOLD = "shards"

@@ -60,6 +60,7 @@ from torch.optim import Optimizer
 from job.checkpoint.snapshot import HostStaging
 from job.checkpoint.verified import HashingWriter, VerifyingReader, digests_of
 from job.errors import CheckpointLoadError, CorruptCheckpointError, NonFiniteStateError
+from job.parallel import fsdp
 from job.parallel.distributed import broadcast_buffers
 
 log = logging.getLogger("job")
@@ -107,6 +108,7 @@ class Sharded:
     ) -> None:
         self.model, self.optimizer, self.rank, self.group, self.fail_load = model, optimizer, rank, group, fail_load
         self.ema = ema
+        fsdp.reshard(model)  # a gathered unit's parameters are whole tensors, not the DTensors of its shards
         self.replicated = not any(isinstance(p, DTensor) for p in model.parameters())
         """ddp: whole tensors on every rank, saved and loaded as dim-0 chunks."""
         self._mesh: DeviceMesh | None = None
@@ -126,6 +128,9 @@ class Sharded:
     def state_dict(self) -> dict[str, Any]:
         """Model (and optimizer, EMA) state dicts as torch.distributed.checkpoint.state_dict writes them: keyed by
         parameter names under either strategy."""
+        fsdp.reshard(self.model)  # after an evaluation that left units gathered (fsdp.reshard_after_forward)
+        if self.ema is not None:
+            fsdp.reshard(self.ema.module)
         out: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         if self.optimizer is not None:
             out["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from job.checkpoint.resume import map_data_position, rng_state, set_rng_state
+from job.checkpoint.resume import map_data_position, rng_state, row_changed, set_rng_state
 from job.config.plan import Plan
 from job.errors import CheckpointLoadError
 
@@ -89,10 +89,16 @@ class Layout:
     def world_size_changed(self) -> bool:
         return bool(self.saved["world_size"] != self.current["world_size"])
 
+    @property
+    def row_changed(self) -> bool:
+        """Whether a micro-batch takes another number of samples (world size x micro batch) than when saved."""
+        return row_changed(self.saved, int(self.current["world_size"]), int(self.current["plan"]["micro_batch_size"]))
+
 
 class Progress:
     """The trainer's counters (a dataclass updated in place); the data position is mapped onto this layout
-    when the world size changed (allowed by ``check_resumable``: the same samples, split differently)."""
+    when a micro-batch takes another number of samples, by another world size or micro batch (allowed by
+    ``check_resumable``: the same samples, split differently)."""
 
     def __init__(self, state: Any, layout: Layout, micro_batch_size: int) -> None:
         self.state, self.layout, self.micro_batch_size = state, layout, micro_batch_size
@@ -103,7 +109,7 @@ class Progress:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         for key, value in saved.items():
             setattr(self.state, key, value)
-        if self.layout.world_size_changed:
+        if self.layout.row_changed:
             world_size = int(self.layout.current["world_size"])
             self.state.micro_batches_in_epoch = map_data_position(
                 saved, self.layout.saved["plan"], world_size, self.micro_batch_size

@@ -39,8 +39,10 @@ def error(cfg: ModelConfig, what: str, fix: str) -> WeightsError:
 def _source(cfg: ModelConfig, path: Path) -> Path:
     """The file, or the checkpoint's step directory, that ``path`` names."""
     if path.is_file():
-        if path.name == store.STATE_FILE and (path.parent / SHARDS).is_dir():
-            return path.parent  # a checkpoint's state.pt: its model is in the shards beside it
+        if path.name == store.STATE_FILE and (
+            (path.parent / SHARDS).is_dir() or (path.parent / store.MANIFEST).exists()
+        ):
+            return path.parent  # a checkpoint's state.pt: its model may be in the shards beside it; verified as one
         return path
     if not path.exists():
         raise error(
@@ -48,7 +50,7 @@ def _source(cfg: ModelConfig, path: Path) -> Path:
         )
     if (path / store.STATE_FILE).is_file():
         return path
-    found = store.find_latest(path)
+    found = store.find_latest(path)  # verified
     if found is None:
         raise error(
             cfg,
@@ -108,13 +110,27 @@ def _from_checkpoint(cfg: ModelConfig, step_dir: Path) -> StateDict:
         raise error(cfg, f"cannot read the model of checkpoint {step_dir}: {e.what}", e.fix) from None
 
 
+def _verified(cfg: ModelConfig, source: Path) -> Path:
+    """``source``, where it is a checkpoint's step directory, checked against its manifest (sizes and sha256, as
+    ``ddp-job export`` and a resume check it)."""
+    if source.is_dir() and (source / store.MANIFEST).exists():
+        ok, reason, _ = store.verify(source)
+        if not ok:
+            raise error(
+                cfg,
+                f"checkpoint {source} does not verify: {reason}.",
+                "pass the run directory to load its newest valid checkpoint, or another step directory.",
+            )
+    return source
+
+
 def read_file(cfg: ModelConfig) -> StateDict:
     """The tensors of the file or checkpoint ``model.weights`` names, with the plain module's keys.
 
     Raises:
         WeightsError: missing, corrupt, or not a state dict.
     """
-    source = _source(cfg, Path(cfg.weights))
+    source = _verified(cfg, _source(cfg, Path(cfg.weights)))
     if source.is_dir() and (source / SHARDS).is_dir():
         state = _from_checkpoint(cfg, source)
     elif source.is_dir():

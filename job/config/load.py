@@ -150,7 +150,7 @@ def _flag_spellings() -> dict[str, str]:
     return {name.replace("_", "-"): name for name in _setting_names() if "_" in name}
 
 
-def _check_flags(argv: Sequence[str]) -> None:
+def _check_flags(argv: Sequence[str], command: str = "train") -> None:
     """Name an unknown ``--flag`` and the closest known ones (argparse only says "unrecognized arguments")."""
     flags = [f"--{name.replace('_', '-')}" for name in _setting_names()]
     known = {
@@ -165,7 +165,10 @@ def _check_flags(argv: Sequence[str]) -> None:
             close = difflib.get_close_matches(flag, flags, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
             raise BadInput(
-                f"unknown option {flag}.", f"{hint}`ddp-job train --help` lists every setting.", setting=flag, value=arg
+                f"unknown option {flag}.",
+                f"{hint}`ddp-job {command} --help` lists every setting.",
+                setting=flag,
+                value=arg,
             )
 
 
@@ -206,12 +209,13 @@ def _invalid(err: ValidationError) -> BadInput:
     return BadInput(f"invalid configuration:\n  {lines}", setting=first.setting, value=first.value)
 
 
-def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> JobConfig:
+def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None, command: str = "train") -> JobConfig:
     """Resolve the config from ``--config`` YAML, ``JOB_*`` env vars and ``--section.field`` flags.
 
     Args:
         argv: command-line arguments after the subcommand (may hold ``--config PATH``).
         environ: environment to read ``JOB_*`` from; defaults to ``os.environ``.
+        command: the ``ddp-job`` command reading it (``train``, ``evaluate``, ``doctor``): its ``--help`` names it.
 
     Raises:
         BadInput: a missing/invalid YAML file, an unknown key at any level, or a bad value. The message
@@ -223,13 +227,13 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     env = dict(os.environ if environ is None else environ)
     _check_env(env)
     if "--help" not in rest and "-h" not in rest:
-        _check_flags(rest)
+        _check_flags(rest, command)
 
     class _Resolved(JobConfig):
         # A per-call subclass binds the YAML file without mutating JobConfig (pydantic-settings#259).
         # cli_shortcuts: the snake_case spelling of every kebab-case flag (--help lists both).
         model_config = SettingsConfigDict(
-            yaml_file=config_path, cli_prog_name="ddp-job train", cli_shortcuts=_flag_spellings()
+            yaml_file=config_path, cli_prog_name=f"ddp-job {command}", cli_shortcuts=_flag_spellings()
         )
 
         @classmethod
@@ -250,7 +254,7 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -
     except SettingsError as e:
         raise BadInput(
             f"bad command line or JOB_* variable: {e}.",
-            "correct or remove it; `ddp-job train --help` lists every setting.",
+            f"correct or remove it; `ddp-job {command} --help` lists every setting.",
         ) from None
     # Return the plain JobConfig type so pickling/equality never depend on the per-call subclass.
     return JobConfig.model_construct(**{name: getattr(resolved, name) for name in JobConfig.model_fields})
@@ -261,8 +265,31 @@ def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
 
 
 def dump_config(cfg: JobConfig) -> str:
-    """The resolved config as YAML (what ``ddp-job config show`` prints and the run directory keeps)."""
+    """The resolved config as YAML (what ``ddp-job config show`` prints)."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+ATTEMPT_SETTINGS = (
+    "dist.nproc_per_node",
+    "ckpt.allow_world_size_change",
+    "ckpt.allow_config_change",
+)
+"""How one attempt of a run was launched, not what the run is: the run directory's ``config.yaml`` holds them at
+their defaults (``ddp-job evaluate --config`` of it starts as many processes as the machine has devices, and a
+later attempt is not allowed what one attempt was), ``attempt.yaml`` the newest attempt's values."""
+
+
+def run_and_attempt(cfg: JobConfig) -> tuple[str, str]:
+    """(``config.yaml``, ``attempt.yaml``) of a run directory as YAML: the resolved config with the
+    ``ATTEMPT_SETTINGS`` at their defaults, and those settings as this attempt has them."""
+    run = config_to_dict(cfg)
+    attempt: dict[str, dict[str, Any]] = {}
+    for name in ATTEMPT_SETTINGS:
+        section, field = name.split(".")
+        attempt.setdefault(section, {})[field] = run[section][field]
+        model = type(getattr(cfg, section))
+        run[section][field] = model.model_fields[field].get_default(call_default_factory=True)
+    return yaml.safe_dump(run, sort_keys=False), yaml.safe_dump(attempt, sort_keys=False)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -263,7 +263,7 @@ def main(argv: list[str], probes: Probes, environ: Mapping[str, str] | None = No
         print(__doc__)
         return EXIT_OK
     t0 = time.perf_counter()
-    cfg = load_config(argv, environ)
+    cfg = load_config(argv, environ, command="doctor")
     try:
         env = detect_env(environ)
     except BadInput as e:

@@ -231,6 +231,18 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """Every FSDP unit of ``model`` back to its shards (none: nothing to do).
+
+    Why: with ``fsdp.reshard_after_forward: false`` a forward without backward (preflight's loss check, an
+    evaluation) leaves each unit gathered, its parameters replaced by whole tensors until the unit's backward. An
+    optimizer built then would hold those instead of the sharded DTensors, and an optimizer state dict taken then
+    cannot map them to names (``KeyError``)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally: the micro-batches inside reduce-scatter nothing; the next one

@@ -12,9 +12,11 @@ process group or a device. Per device it counts:
 - optimizer state: the optimizer's per-parameter tensors (AdamW and LAMB 2, SGD and LARS with momentum 1) of the
   trainable chunks, in the parameters' dtype; ``optim.zero`` divides it (only it) by ``world_size``.
 - EMA: one more copy of parameters and buffers, sharded like the parameters under fsdp.
-- gathered unit (fsdp only): the largest unit's full parameters in the compute dtype (bf16 under
-  ``train.precision: bf16``: ``job.parallel.fsdp.mixed_precision``); the root counts as a unit holding what no
-  other unit owns.
+- gathered units (fsdp only): full parameters in the compute dtype (bf16 under ``train.precision: bf16``:
+  ``job.parallel.fsdp.mixed_precision``). The root (what no other unit owns: a language model's embeddings and
+  norm) stays gathered from its forward to its backward, and beside it the unit being computed and the next one,
+  prefetched: the root plus the two largest units. With ``fsdp.reshard_after_forward: false`` every unit stays
+  gathered from its forward to its backward: the whole model.
 - activations: what the caller measured for one micro-batch (``job.tasks.preflight``, saved tensors of the
   preflight batch per item x ``micro_batch_size``).
 
@@ -57,6 +59,7 @@ class Setup:
     grad_accum_steps: int = 1
     shard_degree: int = 0
     """Ranks fsdp shards over (job.parallel.fsdp.mesh_shape); 0: all ``world_size``."""
+    reshard_after_forward: bool = True
 
     @property
     def shards(self) -> int:
@@ -119,17 +122,27 @@ def _bytes(params: Iterable[torch.Tensor], world_size: int) -> int:
     return sum(_chunk_numel(p, world_size) * p.element_size() for p in params)
 
 
-def gathered_unit_bytes(model: nn.Module, units: list[nn.Module], precision: str) -> int:
-    """The largest unit's full parameters in the compute dtype; the root holds what no unit owns."""
+UNITS_GATHERED = 2
+"""Units gathered at once besides the root: the one computed and the next, prefetched (FSDP2's default)."""
+
+
+def gathered_unit_bytes(
+    model: nn.Module, units: list[nn.Module], precision: str, reshard_after_forward: bool = True
+) -> int:
+    """Full parameters gathered at once, in the compute dtype: the root (what no unit owns), which stays gathered
+    through forward and backward, plus the ``UNITS_GATHERED`` largest units; the whole model where units stay
+    gathered after their forward."""
     owned: set[int] = set()
     sizes = []
     for unit in units:
         params = [p for p in unit.parameters() if id(p) not in owned]
         owned.update(id(p) for p in params)
         sizes.append(sum(p.numel() for p in params))
-    sizes.append(sum(p.numel() for p in model.parameters() if id(p) not in owned))
+    root = sum(p.numel() for p in model.parameters() if id(p) not in owned)
     dtype_bytes = {"bf16": 2, "fp16": 2}.get(precision, 4)
-    return max(sizes) * dtype_bytes
+    if not reshard_after_forward:
+        return (root + sum(sizes)) * dtype_bytes
+    return (root + sum(sorted(sizes)[-UNITS_GATHERED:])) * dtype_bytes
 
 
 def estimate(model: nn.Module, units: list[nn.Module], setup: Setup, activation_bytes: int = 0) -> MemoryEstimate:
@@ -150,7 +163,7 @@ def estimate(model: nn.Module, units: list[nn.Module], setup: Setup, activation_
         optim_bytes = math.ceil(optim_bytes / setup.world_size)
     gathered = 0
     if setup.strategy == "fsdp":
-        gathered = gathered_unit_bytes(model, units, setup.precision)
+        gathered = gathered_unit_bytes(model, units, setup.precision, setup.reshard_after_forward)
     return MemoryEstimate(
         strategy=setup.strategy,
         world_size=setup.world_size,
@@ -176,6 +189,7 @@ def setup_of(cfg: JobConfig, world_size: int, grad_accum_steps: int, shard_degre
         ema=cfg.ema.enabled,
         grad_accum_steps=grad_accum_steps,
         shard_degree=shard_degree,
+        reshard_after_forward=cfg.fsdp.reshard_after_forward,
     )
 
 

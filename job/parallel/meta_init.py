@@ -253,8 +253,8 @@ class Replay:
         def resolve(x: Any) -> Any:
             if not isinstance(x, Ref):
                 return x
-            if scratch and op.writes is not None and x == op.writes:
-                return torch.empty(x.size, dtype=x.dtype).as_strided(x.size, x.stride)
+            if scratch and op.writes is not None and x == op.writes:  # strided as the view written (a slice's
+                return torch.empty_strided(x.size, x.stride, dtype=x.dtype)  # rows are far apart): the same draws
             if current is not None and x.key == current[0]:
                 return _view(current[1], x)
             return _view(self._storage(x.key, op.index), x)
@@ -345,6 +345,8 @@ def build(build_model: Callable[[], nn.Module], seed: int, warn: bool = True) ->
     if model is not None:
         replay = Replay(model, recorder, seed)
         reasons += replay.unreplayable()
+    if not reasons and replay is not None:
+        reasons += _first_pass(replay)
     if reasons or model is None or replay is None:
         if warn:
             log.warning(
@@ -354,6 +356,16 @@ def build(build_model: Callable[[], nn.Module], seed: int, warn: bool = True) ->
         torch.random.set_rng_state(before)
         torch.manual_seed(seed)
         return build_model(), None
-    replay.draws()
     torch.random.set_rng_state(replay.rng_after)
     return model, replay
+
+
+def _first_pass(replay: Replay) -> list[str]:
+    """Run the replay's pass over the draws (``Replay.draws``); why it failed, as a reason to build on the CPU
+    (empty: it ran). It runs each recorded operation on the CPU for the first time: one the record cannot
+    reproduce fails here, before any process group or shard."""
+    try:
+        replay.draws()
+    except Exception as e:
+        return [f"the replay fails on the CPU ({type(e).__name__}: {str(e).strip()[:200]})"]
+    return []

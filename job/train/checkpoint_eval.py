@@ -30,8 +30,7 @@ from job.observe import metrics
 from job.parallel import distributed
 from job.tasks.load import load_task
 from job.tasks.preflight import check_task
-from job.train.evaluate import Evaluator
-from job.train.loop import metric_values
+from job.train.evaluate import Evaluator, metric_values
 from job.train.parts import build_parts
 
 log = logging.getLogger("job")
@@ -41,7 +40,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str] | None = None, cfg: Job
     """Evaluate the checkpoint the config names; every check of the input runs before any process group."""
     environ = os.environ if environ is None else environ
     if cfg is None:
-        cfg = load_config(argv, environ)
+        cfg = load_config(argv, environ, command="evaluate")
     env = detect_env(environ)
     metrics.setup_console(env.rank, env.world_size)
     found = find_checkpoint(cfg)
@@ -85,6 +84,14 @@ def find_checkpoint(cfg: JobConfig) -> ckpt.Found:
             )
         return found
     path = Path(cfg.ckpt.path)
+    if not path.is_dir():
+        raise BadInput(
+            f"ckpt.path={cfg.ckpt.path!r}: no such directory.",
+            f"check the path; the run's checkpoints are the step-NNNNNNN directories of {cfg.run_dir}, or leave "
+            "ckpt.path empty to evaluate the newest valid one there.",
+            setting="ckpt.path",
+            value=cfg.ckpt.path,
+        )
     match = ckpt.STEP_DIR.match(path.name)
     ok, reason, manifest = ckpt.inspect(path)
     if match is None or not ok:

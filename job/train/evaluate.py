@@ -7,6 +7,7 @@ disjoint shard of the validation set, then one all-reduce adds every rank's sums
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from job.observe.metrics import NullWriter
 from job.observe.observer import no_mark
 from job.parallel import distributed, fsdp
 from job.train.parts import Parts
+
+log = logging.getLogger("job")
 
 
 @torch.no_grad()
@@ -89,10 +92,18 @@ class Evaluator:
     """Evaluates the model (and its EMA) every ``every`` steps during training, and once at the end."""
 
     def __init__(
-        self, parts: Parts, every: int, total_steps: int, writer: NullWriter, mark: Callable[[str], None] = no_mark
+        self,
+        parts: Parts,
+        every: int,
+        total_steps: int,
+        writer: NullWriter,
+        mark: Callable[[str], None] = no_mark,
+        console: bool = False,
     ) -> None:
-        """``mark``: records each phase of an evaluation on this rank's progress file (``evaluate``)."""
+        """``mark``: records each phase of an evaluation on this rank's progress file (``evaluate``); ``console``:
+        this rank prints each periodic evaluation (rank 0)."""
         self.parts, self.every, self.total_steps, self.writer, self.mark = parts, every, total_steps, writer, mark
+        self.console = console
         self.latest: dict[str, float] = {}
         """The newest evaluation's results (empty until the first): what a progress report carries."""
 
@@ -103,14 +114,28 @@ class Evaluator:
         self.mark(f"evaluating after step {step}")  # before its first collective: a rank stalled here marked it
         distributed.broadcast_buffers(p.raw_model)  # the model rank 0 saves, on every rank
         out = evaluate(p.raw_model, p, self.mark)
+        fsdp.reshard(p.raw_model)  # units left gathered (fsdp.reshard_after_forward: false) back to their shards
         if p.ema is not None:
             self.mark(f"evaluating the EMA after step {step}")
             distributed.broadcast_buffers(p.ema.module)
             out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p, self.mark).items()})
+            fsdp.reshard(p.ema.module)  # the EMA's update writes into its shards
         self.latest = out
         return out
 
     def after_step(self, step: int) -> None:
         """The periodic evaluation; the last step is evaluated by the run's end, with the final report."""
         if self.every and step % self.every == 0 and step < self.total_steps:
-            self.writer.scalars(step, self.results(step))
+            results = self.results(step)
+            self.writer.scalars(step, results)
+            if self.console:
+                log.info("VAL step=%d %s val_count=%d", step, metric_values(results, "val/"), int(results["val/count"]))
+
+
+def metric_values(results: dict[str, float], prefix: str, only: tuple[str, ...] = ()) -> str:
+    """``val_<name>=<value>`` for each result under ``prefix`` (the task's metrics in its order, then derived
+    ones; ``only`` these names where given), the count left to the caller."""
+    names = [k for k in results if k.startswith(prefix) and k != prefix + "count"]
+    if only:
+        names = [prefix + n for n in only if prefix + n in results]
+    return " ".join(f"val_{k[len(prefix) :].replace('/', '_')}={results[k]:.4f}" for k in names)

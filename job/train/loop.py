@@ -19,7 +19,7 @@ from job.observe.report import NullReporter, Pace, reported_metrics
 from job.observe.status import Status
 from job.observe.watchdog import Watchdog
 from job.parallel import ddp, distributed
-from job.train.evaluate import Evaluator
+from job.train.evaluate import Evaluator, metric_values
 from job.train.parts import Parts
 from job.train.preempt import StopRequest
 from job.train.step import TrainState, train_step
@@ -181,12 +181,3 @@ def finish(run: Run) -> int:
             flush=True,
         )
     return EXIT_OK
-
-
-def metric_values(results: dict[str, float], prefix: str, only: tuple[str, ...] = ()) -> str:
-    """``val_<name>=<value>`` for each result under ``prefix`` (the task's metrics in its order, then derived
-    ones; ``only`` these names where given), the count left to the caller."""
-    names = [k for k in results if k.startswith(prefix) and k != prefix + "count"]
-    if only:
-        names = [prefix + n for n in only if prefix + n in results]
-    return " ".join(f"val_{k[len(prefix) :].replace('/', '_')}={results[k]:.4f}" for k in names)

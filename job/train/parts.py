@@ -150,6 +150,7 @@ def _sharded(
             meta_init.allocate(ema.module, device)
             ema.start_from(raw_model)
         check_values(task, checked, raw_model, device)
+        fsdp.reshard(raw_model)  # its forward may have left units gathered: the optimizer takes the shards
         if env.is_main:
             params = list(raw_model.parameters())
             mine = sum(fsdp.local(p).numel() * p.element_size() for p in params)

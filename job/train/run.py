@@ -30,6 +30,7 @@ from job.cluster import gpu
 from job.cluster.env import NOTICE_VAR, DistEnv, detect_env, interruptions, launcher_notice_s
 from job.cluster.stop import clear_record
 from job.config import JobConfig, config_to_dict, dump_config, load_config
+from job.config.load import run_and_attempt
 from job.config.plan import Plan, make_plan
 from job.doctor import phases as doctor
 from job.errors import EXIT_PREEMPTED, BadInput, CorruptCheckpointError
@@ -281,7 +282,7 @@ def build_run(
     train_log = metrics.TrainLog(
         cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer, observer, progress
     )
-    evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer, observer.mark)
+    evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer, observer.mark, env.is_main)
     batches = parts.loaders.batches(state)
     cleanup.callback(batches.close)  # ends the data pipeline's threads (job.data.decode_ahead) on every exit
     vote = distributed.StepFlagVote(rt)
@@ -322,10 +323,13 @@ def _drained_after_restart(stop: StopRequest, rt: distributed.Runtime) -> bool:
 
 
 def start_run_dir(cfg: JobConfig, env: DistEnv, plan: Plan, stop: StopRequest, rt: distributed.Runtime) -> None:
-    """Rank 0 creates the run directory and writes the resolved config; every rank waits for it."""
+    """Rank 0 creates the run directory and writes the resolved config (``config.yaml``: the run; ``attempt.yaml``:
+    how this attempt was launched); every rank waits for it."""
     if env.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.run_dir / "config.yaml").write_text(dump_config(cfg))
+        run_yaml, attempt_yaml = run_and_attempt(cfg)
+        (cfg.run_dir / "config.yaml").write_text(run_yaml)
+        (cfg.run_dir / "attempt.yaml").write_text(attempt_yaml)
         log.info("plan: %s", plan.describe())
         stop.discard_honoured()
         clear_record(cfg.run_dir)  # a record speaks only for the attempt that wrote it (job.cluster.stop)
