@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from job.checkpoint.snapshot import HostStaging
-from job.checkpoint.verified import HashingWriter, VerifyingReader, digests_of
+from job.checkpoint.verified import ITEMS, HashingWriter, VerifyingReader, digests_of
 from job.errors import CheckpointLoadError, CorruptCheckpointError, NonFiniteStateError
 from job.parallel import fsdp
 from job.parallel.distributed import broadcast_buffers
@@ -211,8 +211,10 @@ class Sharded:
         whole: dict[str, Any] = {}
         state: dict[str, Any] = {}
         error = ""
-        reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), self.group)
+        reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), self.group, items=files.get(ITEMS))
         try:
+            if (path / SHARDS).is_dir():  # a collective: before anything that may fail on one rank alone
+                reader.share_metadata()
             if self.fail_load:
                 raise OSError("debug.fail_load_rank: load failure injected")
             whole, state = self._targets(path, reader)
@@ -333,8 +335,9 @@ def read_whole(path: Path, files: dict[str, Any], parts: tuple[str, ...] = PARTS
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), alone=True)
+    reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), alone=True, items=files.get(ITEMS))
     try:
+        reader.share_metadata()
         wanted = _parts_of(reader.read_metadata()) & set(parts)
         state: dict[str, Any] = {}
         if wanted:

@@ -29,6 +29,7 @@ part; job.checkpoint.snapshot), then a background thread serialises and writes. 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ import torch
 from job.checkpoint.digest import EMPTY_SHA256, Recorder
 from job.checkpoint.sharded import SHARDS, Sharded, read_whole
 from job.checkpoint.snapshot import HostStaging, to_host
-from job.checkpoint.verified import HashingWriter
+from job.checkpoint.verified import ITEMS, HashingWriter
 from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
 
 log = logging.getLogger("job")
@@ -129,12 +130,15 @@ def check_hashes(path: Path, manifest: dict[str, Any], names: list[str]) -> str:
 
 
 def hashed_on_resume(files: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's entries that the ranks hash together on resume: all but the shards' files with item digests,
-    which are verified as they are read (job.checkpoint.verified) and ``.metadata`` (likewise)."""
+    """The manifest's entries that the ranks hash together on resume: all but the shards' files with item digests
+    (in ``ITEMS``, or in their entries in a checkpoint without it), which are verified as they are read
+    (job.checkpoint.verified), ``.metadata`` and ``ITEMS`` (likewise, by rank 0)."""
+    itemised = ITEMS in files
     return {
         name: entry
         for name, entry in files.items()
-        if not (name.startswith(f"{SHARDS}/") and ("items" in entry or name == f"{SHARDS}/.metadata"))
+        if name != ITEMS
+        and not (name.startswith(f"{SHARDS}/") and (itemised or "items" in entry or name == f"{SHARDS}/.metadata"))
     }
 
 
@@ -187,9 +191,42 @@ def find_latest(run_dir: Path, hashes: bool = True, below: int | None = None) ->
 
 
 def load_state(found: Found) -> dict[str, Any]:
+    """state.pt of ``found``, read by this process.
+
+    Raises:
+        CheckpointLoadError: torch.load(weights_only=True) refused it."""
+    return _unpickled_state(found, found.path / STATE_FILE)
+
+
+def load_state_shared(found: Found, group: Any = None) -> dict[str, Any]:
+    """Every rank: state.pt of ``found``, read from storage by rank 0 alone and sent to the others (one broadcast on
+    ``group``, gloo): it holds every rank's RNG states, so reading it on each of W ranks would read O(W^2).
+
+    Raises:
+        CheckpointLoadError: on every rank, where rank 0 could not read it or torch.load(weights_only=True) refused
+            it (every rank unpickles the same bytes)."""
+    import torch.distributed as dist
+
+    path = found.path / STATE_FILE
+    payload: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            payload = [(path.read_bytes(), "")]
+        except OSError as e:
+            payload = [(b"", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, group=group, group_src=0)
+    data, error = payload[0]
+    if error:
+        raise CheckpointLoadError(
+            f"{path}: rank 0 could not read it ({error}).", f"check {found.path}, or move it out of the run directory."
+        )
+    return _unpickled_state(found, io.BytesIO(data))
+
+
+def _unpickled_state(found: Found, source: Path | IO[bytes]) -> dict[str, Any]:
     path = found.path / STATE_FILE
     try:
-        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        state: dict[str, Any] = torch.load(source, map_location="cpu", weights_only=True)
         return state
     except Exception as e:
         raise CheckpointLoadError(
@@ -258,7 +295,13 @@ def _write_checkpoint(
             torch.save(state, cast(IO[bytes], f))
             f.flush()
             os.fsync(f.fileno())
-        listed = _listed(tmp, recorder.digests[STATE_FILE].entry(items=False), shard_files or {})
+        shard_entries = _without_items(shard_files or {})
+        if shard_entries != (shard_files or {}):
+            with recorder.create(tmp / ITEMS) as f:
+                f.write(json.dumps(_items(shard_files or {}), sort_keys=True).encode())
+                f.flush()
+                os.fsync(f.fileno())
+        listed = _listed(tmp, recorder.digests[STATE_FILE].entry(items=False), shard_entries, recorder)
         manifest = dict(meta, step=step, files=listed)
         mpath = tmp / MANIFEST
         with mpath.open("w") as f:
@@ -295,14 +338,25 @@ def _write_checkpoint(
         ) from e
 
 
-def _listed(tmp: Path, state_entry: dict[str, Any], shard_files: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's files: state.pt and every rank's shards, from the digests taken while they were written. The
-    directory is listed (no file is read) so that nothing in it goes unlisted: a rank with nothing to write left
-    an empty file that no digest names.
+def _items(shard_files: dict[str, Any]) -> dict[str, Any]:
+    """``ITEMS``' content: each shard file's item digests (job.checkpoint.verified.ITEMS)."""
+    return {name: entry["items"] for name, entry in shard_files.items() if "items" in entry}
+
+
+def _without_items(shard_files: dict[str, Any]) -> dict[str, Any]:
+    return {name: {k: v for k, v in entry.items() if k != "items"} for name, entry in shard_files.items()}
+
+
+def _listed(tmp: Path, state_entry: dict[str, Any], shard_files: dict[str, Any], recorder: Recorder) -> dict[str, Any]:
+    """The manifest's files: state.pt, ``ITEMS`` where written, and every rank's shards, from the digests taken while
+    they were written. The directory is listed (no file is read) so that nothing in it goes unlisted: a rank with
+    nothing to write left an empty file that no digest names.
 
     Raises:
         OSError: a file that no digest covers."""
     listed = {STATE_FILE: state_entry, **{f"{SHARDS}/{name}": entry for name, entry in shard_files.items()}}
+    if ITEMS in recorder.digests:
+        listed[ITEMS] = recorder.digests[ITEMS].entry(items=False)
     for p in sorted(tmp.rglob("*")):
         name = p.relative_to(tmp).as_posix()
         if name in listed or not p.is_file():
