@@ -5,8 +5,9 @@ Format (one for both strategies; job.checkpoint.sharded writes the shards):
     run_dir/step-0000120/
         shards/         model, optimizer and EMA: every rank's own part, written with torch.distributed.checkpoint
         state.pt        trainer state, scheduler, scaler, RNG of every rank (rank 0); under optim.zero the optimizer
-        manifest.json   written LAST: sizes + sha256 of every file (and of each item of the shards), step, world
-                        size, resolved config
+        items.json      sha256 of each item of the shards (job.checkpoint.verified.ITEMS): out of the manifest,
+                        which every rank reads, so that it stays O(files)
+        manifest.json   written LAST: sizes + sha256 of every file, step, world size, resolved config
 
 A checkpoint written before the shards existed holds the model, optimizer and EMA in state.pt; it still resumes.
 The manager without ``sharded`` writes whatever state it is handed into state.pt (the benchmarks use that).
@@ -19,7 +20,8 @@ directory that is ignored and cleaned up later. "Latest" is found by scanning, n
 Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code. On resume the shards are
 verified item by item as they are read, each item by the one rank that reads it (job.checkpoint.verified); the
 ranks hash the other files (state.pt; the shards of a checkpoint written before item digests) each a share
-(``share``), and agree on the verdict (job.checkpoint.resume.settle). Pruning trusts the manifests this process
+(``share``), and agree on the verdict (job.checkpoint.resume.settle). A load reads state.pt, ``.metadata`` and
+items.json on rank 0 alone and broadcasts them (``load_state_shared``, job.checkpoint.verified). Pruning trusts the manifests this process
 wrote or verified, and reads nothing but manifests.
 
 Async saving: ``save()`` copies state into reused host buffers on the caller's thread (the only blocking
