@@ -222,11 +222,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         total = sum(w["read"] for r in row["ranks"] for w in r["windows"]) / per / row["bytes"]
         load = row["w_load"] if row["w_load"] is not None else "-"
         cells = [_cell(row, "read", 1024), _cell(row, "written", 1024), _cell(row, "opens"), _cell(row, "metadata_ops")]
+        projected = ""
+        if "predicted" in row:
+            projected = f"{row['predicted'] / row['bytes']:.3f}"
         lines.append(
             f"| {row['phase']} | {row['w_save']} | {load} | {row['bytes'] / 2**20:.1f} | {total:.3f} "
-            f"| {' | '.join(cells)} | {row['predicted'] / row['bytes']:.3f} |"
-            if "predicted" in row
-            else f"| {' | '.join(cells)} | |"
+            f"| {' | '.join(cells)} | {projected} |"
         )
     return "\n".join(lines)
 
