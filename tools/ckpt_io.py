@@ -12,8 +12,9 @@ through recv/send and are not counted), and its file-system calls counted by str
 operations: open, stat, directory listing, mkdir, rename, unlink, fsync), between two markers the worker leaves.
 
 The projection column is ``predicted``: what a resume reads in all by the model of docs/benchmarks.md, from the
-checkpoint's own file sizes: every stored item once, plus per loading rank the manifest, DCP's ``.metadata`` and
-state.pt, plus state.pt once more for the ranks' hash check.
+checkpoint's own file sizes: every stored item once, plus per loading rank the manifest (preflight), plus on rank 0
+alone DCP's ``.metadata``, the item digests and state.pt (sent to the others), plus state.pt once more for the
+ranks' hash check.
 
     python tools/ckpt_io.py [--sizes 1 2 4 8] [--width 512] [--out DIR]
 """
@@ -109,7 +110,7 @@ def load(run_dir: Path, width: int, rank: int) -> list[dict[str, int]]:
     with Window() as w:
         found = store.find_latest(run_dir, hashes=False)
         found = settle(found, run_dir, rank, dist.get_world_size())
-        saved = store.load_state(found)
+        saved = store.load_state_shared(found)
         sharded.load(found.path, saved, found.manifest["files"])
     return [w.bytes]
 
@@ -175,22 +176,23 @@ def parts(run_dir: Path) -> dict[str, int]:
     """The newest checkpoint's sizes that the model of its reads needs."""
     step = sorted(run_dir.glob("step-*"))[-1]
     files = json.loads((step / "manifest.json").read_text())["files"]
-    shards = [entry for name, entry in files.items() if name.startswith("shards/__")]
-    items = [item for entry in shards for item in entry.get("items", {}).values()]
+    digests = json.loads((step / "items.json").read_text())
+    items = [item for per_file in digests.values() for item in per_file.values()]
     return {
         "items": sum(int(length) for length, _ in items),
         "item_count": len(items),
         "manifest": (step / "manifest.json").stat().st_size,
         "metadata": int(files["shards/.metadata"]["size"]),
+        "digests": int(files["items.json"]["size"]),
         "state": int(files["state.pt"]["size"]),
     }
 
 
 def predicted(sizes: dict[str, int], w_load: int) -> int:
-    """Bytes a resume at ``w_load`` processes reads in all: each item once; per rank the manifest (preflight),
-    ``.metadata`` and state.pt; state.pt once more (the ranks' hash check)."""
-    per_rank = sizes["manifest"] + sizes["metadata"] + sizes["state"]
-    return sizes["items"] + w_load * per_rank + sizes["state"]
+    """Bytes a resume at ``w_load`` processes reads in all: each item once; per rank the manifest (preflight); rank 0
+    alone ``.metadata``, the item digests and state.pt; state.pt once more (the ranks' hash check)."""
+    rank0 = sizes["metadata"] + sizes["digests"] + 2 * sizes["state"]
+    return sizes["items"] + w_load * sizes["manifest"] + rank0
 
 
 def measure(sizes: list[int], width: int, work: Path) -> list[dict[str, Any]]:
@@ -220,11 +222,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         total = sum(w["read"] for r in row["ranks"] for w in r["windows"]) / per / row["bytes"]
         load = row["w_load"] if row["w_load"] is not None else "-"
         cells = [_cell(row, "read", 1024), _cell(row, "written", 1024), _cell(row, "opens"), _cell(row, "metadata_ops")]
+        projected = ""
+        if "predicted" in row:
+            projected = f"{row['predicted'] / row['bytes']:.3f}"
         lines.append(
             f"| {row['phase']} | {row['w_save']} | {load} | {row['bytes'] / 2**20:.1f} | {total:.3f} "
-            f"| {' | '.join(cells)} | {row['predicted'] / row['bytes']:.3f} |"
-            if "predicted" in row
-            else f"| {' | '.join(cells)} | |"
+            f"| {' | '.join(cells)} | {projected} |"
         )
     return "\n".join(lines)
 

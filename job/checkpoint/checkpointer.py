@@ -14,7 +14,7 @@ from typing import Any
 from job.checkpoint.cadence import Auto, Fixed
 from job.checkpoint.resume import SHARDS_HOLD
 from job.checkpoint.states import States
-from job.checkpoint.store import CheckpointManager, Found, load_state
+from job.checkpoint.store import CheckpointManager, Found, load_state, load_state_shared
 from job.observe.observer import no_mark
 
 log = logging.getLogger("job")
@@ -71,7 +71,10 @@ class Checkpointer:
         return self.manager.committed or self._restored
 
     def restore(self, found: Found) -> None:
-        saved = load_state(found)
+        if self.manager.sharded is not None:  # every rank: rank 0 reads state.pt, the others receive it
+            saved = load_state_shared(found, self.manager.sharded.group)
+        else:
+            saved = load_state(found)
         if self.manager.sharded is not None:  # verified as it is read: CorruptCheckpointError on every rank
             # First: the optimizer's saved learning rates, then the schedule's (replayed for another train.steps).
             self.manager.sharded.load(found.path, saved, found.manifest.get("files", {}))

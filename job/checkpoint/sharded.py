@@ -7,7 +7,8 @@ Layout inside a step directory (job.checkpoint.store commits it; nothing here re
     step-0000120/
         shards/         DCP: one ``__<rank>_0.distcp`` per rank and ``.metadata`` (written by rank 0 last)
         state.pt        rank 0: layout, progress, schedule, scaler, every rank's RNG, guard counters
-        manifest.json   written LAST by rank 0: size + sha256 of every file above, and of each item of the shards
+        items.json      rank 0: the sha256 of each item of the shards (job.checkpoint.verified.ITEMS)
+        manifest.json   written LAST by rank 0: size + sha256 of every file above
     The shards hold the model, the optimizer (unless ``optim.zero``: ZeroRedundancyOptimizer's consolidated state
     stays in state.pt) and the EMA where enabled.
 
@@ -19,7 +20,8 @@ EMA's count) stay whole; DCP writes them once.
 
 Every rank hashes what it writes while writing it, and verifies what it reads while reading it, each stored item
 read once over all ranks at any pair of world sizes (job.checkpoint.verified): rank 0 commits with the digests DCP
-gathered, reading nothing back.
+gathered, reading nothing back. The files every loading rank needs whole and that grow with the saving ranks
+(``.metadata``, items.json, state.pt) are read by rank 0 alone and broadcast, so a rank's reads are its own share.
 
 A save goes to the step's ``.tmp-shards`` directory; DCP returns on every rank only after rank 0 gathered every
 rank's write results and wrote ``.metadata``, so when rank 0 then writes the manifest and renames the directory,
@@ -58,7 +60,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from job.checkpoint.snapshot import HostStaging
-from job.checkpoint.verified import HashingWriter, VerifyingReader, digests_of
+from job.checkpoint.verified import ITEMS, HashingWriter, VerifyingReader, digests_of
 from job.errors import CheckpointLoadError, CorruptCheckpointError, NonFiniteStateError
 from job.parallel import fsdp
 from job.parallel.distributed import broadcast_buffers
@@ -211,8 +213,10 @@ class Sharded:
         whole: dict[str, Any] = {}
         state: dict[str, Any] = {}
         error = ""
-        reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), self.group)
+        reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), self.group, items=files.get(ITEMS))
         try:
+            if (path / SHARDS).is_dir():  # a collective: before anything that may fail on one rank alone
+                reader.share_metadata()
             if self.fail_load:
                 raise OSError("debug.fail_load_rank: load failure injected")
             whole, state = self._targets(path, reader)
@@ -333,8 +337,9 @@ def read_whole(path: Path, files: dict[str, Any], parts: tuple[str, ...] = PARTS
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), alone=True)
+    reader = VerifyingReader(path / SHARDS, digests_of(files, SHARDS), alone=True, items=files.get(ITEMS))
     try:
+        reader.share_metadata()
         wanted = _parts_of(reader.read_metadata()) & set(parts)
         state: dict[str, Any] = {}
         if wanted:

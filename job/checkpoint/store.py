@@ -5,8 +5,9 @@ Format (one for both strategies; job.checkpoint.sharded writes the shards):
     run_dir/step-0000120/
         shards/         model, optimizer and EMA: every rank's own part, written with torch.distributed.checkpoint
         state.pt        trainer state, scheduler, scaler, RNG of every rank (rank 0); under optim.zero the optimizer
-        manifest.json   written LAST: sizes + sha256 of every file (and of each item of the shards), step, world
-                        size, resolved config
+        items.json      sha256 of each item of the shards (job.checkpoint.verified.ITEMS): out of the manifest,
+                        which every rank reads, so that it stays O(files)
+        manifest.json   written LAST: sizes + sha256 of every file, step, world size, resolved config
 
 A checkpoint written before the shards existed holds the model, optimizer and EMA in state.pt; it still resumes.
 The manager without ``sharded`` writes whatever state it is handed into state.pt (the benchmarks use that).
@@ -19,7 +20,8 @@ directory that is ignored and cleaned up later. "Latest" is found by scanning, n
 Files are read with ``torch.load(weights_only=True)``: a checkpoint can never run code. On resume the shards are
 verified item by item as they are read, each item by the one rank that reads it (job.checkpoint.verified); the
 ranks hash the other files (state.pt; the shards of a checkpoint written before item digests) each a share
-(``share``), and agree on the verdict (job.checkpoint.resume.settle). Pruning trusts the manifests this process
+(``share``), and agree on the verdict (job.checkpoint.resume.settle). A load reads state.pt, ``.metadata`` and
+items.json on rank 0 alone and broadcasts them (``load_state_shared``, job.checkpoint.verified). Pruning trusts the manifests this process
 wrote or verified, and reads nothing but manifests.
 
 Async saving: ``save()`` copies state into reused host buffers on the caller's thread (the only blocking
@@ -29,6 +31,7 @@ part; job.checkpoint.snapshot), then a background thread serialises and writes. 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -47,7 +50,7 @@ import torch
 from job.checkpoint.digest import EMPTY_SHA256, Recorder
 from job.checkpoint.sharded import SHARDS, Sharded, read_whole
 from job.checkpoint.snapshot import HostStaging, to_host
-from job.checkpoint.verified import HashingWriter
+from job.checkpoint.verified import ITEMS, HashingWriter
 from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
 
 log = logging.getLogger("job")
@@ -129,12 +132,15 @@ def check_hashes(path: Path, manifest: dict[str, Any], names: list[str]) -> str:
 
 
 def hashed_on_resume(files: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's entries that the ranks hash together on resume: all but the shards' files with item digests,
-    which are verified as they are read (job.checkpoint.verified) and ``.metadata`` (likewise)."""
+    """The manifest's entries that the ranks hash together on resume: all but the shards' files with item digests
+    (in ``ITEMS``, or in their entries in a checkpoint without it), which are verified as they are read
+    (job.checkpoint.verified), ``.metadata`` and ``ITEMS`` (likewise, by rank 0)."""
+    itemised = ITEMS in files
     return {
         name: entry
         for name, entry in files.items()
-        if not (name.startswith(f"{SHARDS}/") and ("items" in entry or name == f"{SHARDS}/.metadata"))
+        if name != ITEMS
+        and not (name.startswith(f"{SHARDS}/") and (itemised or "items" in entry or name == f"{SHARDS}/.metadata"))
     }
 
 
@@ -187,9 +193,42 @@ def find_latest(run_dir: Path, hashes: bool = True, below: int | None = None) ->
 
 
 def load_state(found: Found) -> dict[str, Any]:
+    """state.pt of ``found``, read by this process.
+
+    Raises:
+        CheckpointLoadError: torch.load(weights_only=True) refused it."""
+    return _unpickled_state(found, found.path / STATE_FILE)
+
+
+def load_state_shared(found: Found, group: Any = None) -> dict[str, Any]:
+    """Every rank: state.pt of ``found``, read from storage by rank 0 alone and sent to the others (one broadcast on
+    ``group``, gloo): it holds every rank's RNG states, so reading it on each of W ranks would read O(W^2).
+
+    Raises:
+        CheckpointLoadError: on every rank, where rank 0 could not read it or torch.load(weights_only=True) refused
+            it (every rank unpickles the same bytes)."""
+    import torch.distributed as dist
+
+    path = found.path / STATE_FILE
+    payload: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            payload = [(path.read_bytes(), "")]
+        except OSError as e:
+            payload = [(b"", f"{type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, group=group, group_src=0)
+    data, error = payload[0]
+    if error:
+        raise CheckpointLoadError(
+            f"{path}: rank 0 could not read it ({error}).", f"check {found.path}, or move it out of the run directory."
+        )
+    return _unpickled_state(found, io.BytesIO(data))
+
+
+def _unpickled_state(found: Found, source: Path | IO[bytes]) -> dict[str, Any]:
     path = found.path / STATE_FILE
     try:
-        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
+        state: dict[str, Any] = torch.load(source, map_location="cpu", weights_only=True)
         return state
     except Exception as e:
         raise CheckpointLoadError(
@@ -258,7 +297,13 @@ def _write_checkpoint(
             torch.save(state, cast(IO[bytes], f))
             f.flush()
             os.fsync(f.fileno())
-        listed = _listed(tmp, recorder.digests[STATE_FILE].entry(items=False), shard_files or {})
+        shard_entries = _without_items(shard_files or {})
+        if shard_entries != (shard_files or {}):
+            with recorder.create(tmp / ITEMS) as f:
+                f.write(json.dumps(_items(shard_files or {}), sort_keys=True).encode())
+                f.flush()
+                os.fsync(f.fileno())
+        listed = _listed(tmp, recorder.digests[STATE_FILE].entry(items=False), shard_entries, recorder)
         manifest = dict(meta, step=step, files=listed)
         mpath = tmp / MANIFEST
         with mpath.open("w") as f:
@@ -295,14 +340,25 @@ def _write_checkpoint(
         ) from e
 
 
-def _listed(tmp: Path, state_entry: dict[str, Any], shard_files: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's files: state.pt and every rank's shards, from the digests taken while they were written. The
-    directory is listed (no file is read) so that nothing in it goes unlisted: a rank with nothing to write left
-    an empty file that no digest names.
+def _items(shard_files: dict[str, Any]) -> dict[str, Any]:
+    """``ITEMS``' content: each shard file's item digests (job.checkpoint.verified.ITEMS)."""
+    return {name: entry["items"] for name, entry in shard_files.items() if "items" in entry}
+
+
+def _without_items(shard_files: dict[str, Any]) -> dict[str, Any]:
+    return {name: {k: v for k, v in entry.items() if k != "items"} for name, entry in shard_files.items()}
+
+
+def _listed(tmp: Path, state_entry: dict[str, Any], shard_files: dict[str, Any], recorder: Recorder) -> dict[str, Any]:
+    """The manifest's files: state.pt, ``ITEMS`` where written, and every rank's shards, from the digests taken while
+    they were written. The directory is listed (no file is read) so that nothing in it goes unlisted: a rank with
+    nothing to write left an empty file that no digest names.
 
     Raises:
         OSError: a file that no digest covers."""
     listed = {STATE_FILE: state_entry, **{f"{SHARDS}/{name}": entry for name, entry in shard_files.items()}}
+    if ITEMS in recorder.digests:
+        listed[ITEMS] = recorder.digests[ITEMS].entry(items=False)
     for p in sorted(tmp.rglob("*")):
         name = p.relative_to(tmp).as_posix()
         if name in listed or not p.is_file():

@@ -18,6 +18,7 @@ rank with the same error (``CorruptShards``), and nothing of it reaches the stat
 from __future__ import annotations
 
 import io
+import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,11 @@ from job.checkpoint.digest import FileDigest, Recorder, sha256_of
 from job.errors import CorruptShards
 
 METADATA = ".metadata"
+ITEMS = "items.json"
+"""Next to the DCP folder: the sha256 of every stored item, by file inside the folder (``{"__0_0.distcp": {"<offset>":
+[length, sha256]}}``); the manifest lists it with its own size and sha256. A file of its own, read by rank 0 alone on
+a load, so that the manifest every rank reads stays O(files) while the items grow with every saving rank's tensors.
+A checkpoint without it lists the items in its manifest's entries."""
 
 
 class _HashingFileSystem(FileSystem):
@@ -132,9 +138,18 @@ class VerifyingReader(FileSystemReader):
     rank, for the exchange (None: the default group); ``alone``: this process reads everything it needs itself (a
     tool, without a process group). ``bytes_read``: what this rank read from storage for the load."""
 
-    def __init__(self, path: Path, files: dict[str, dict[str, Any]], group: Any = None, alone: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        files: dict[str, dict[str, Any]],
+        group: Any = None,
+        alone: bool = False,
+        items: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(path)
-        self.files, self.group, self.alone = files, group, alone
+        self.files, self.group, self.alone = {k: dict(v) for k, v in files.items()}, group, alone
+        self.items = items
+        """The manifest's entry of ``ITEMS`` (None: the items are in ``files``), read by ``share_metadata``."""
         self.bytes_read = 0
         self.corrupt: list[str] = []
         self._metadata: Metadata | None = None
@@ -143,14 +158,62 @@ class VerifyingReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata: never written here
             raise FileNotFoundError(f"{self.path}: no per-rank metadata")
-        if self._metadata is not None:  # read once: the load's preparation read it already
+        if self._metadata is not None:  # read once: the load's preparation read (or received) it already
             return self._metadata
+        return self._parsed(self._checked(self._read_metadata_file()))
+
+    def share_metadata(self) -> None:
+        """Every rank, before anything that may fail on one rank alone: ``.metadata`` and ``ITEMS``, read and checked
+        by rank 0 alone and sent to the others (one broadcast): both grow with every saving rank's items, and every
+        loading rank needs them, so W ranks reading them would read O(W^2). A corrupt or unreadable one raises on
+        every rank alike (CorruptShards, OSError)."""
+        if self.alone:
+            self._take_items(self._read_items_file())
+            self.read_metadata()
+            return
+        payload: list[Any] = [None]
+        if dist.get_rank(self.group) == 0:
+            try:
+                payload = [(self._read_metadata_file(), self._read_items_file(), "")]
+            except OSError as e:
+                payload = [(b"", b"", f"{e}")]
+        dist.broadcast_object_list(payload, group=self.group, group_src=0)
+        data, items, error = payload[0]
+        if error:
+            raise OSError(error)
+        self._take_items(items)
+        self._parsed(self._checked(data))
+
+    def _read_items_file(self) -> bytes:
+        if self.items is None:
+            return b""
+        data = (Path(self.path).parent / ITEMS).read_bytes()
+        self.bytes_read += len(data)
+        return data
+
+    def _take_items(self, data: bytes) -> None:
+        """``ITEMS`` (checked against its sha256) into ``files``' entries, where the verification looks for them."""
+        if self.items is None:
+            return
+        if sha256_of(data) != self.items.get("sha256"):
+            self.corrupt = [f"{ITEMS} does not match its sha256 (corrupted)"]
+            raise CorruptShards(self.corrupt)
+        for name, items in json.loads(data).items():
+            self.files.setdefault(name, {})["items"] = items
+
+    def _read_metadata_file(self) -> bytes:
         data = (Path(self.path) / METADATA).read_bytes()
         self.bytes_read += len(data)
+        return data
+
+    def _checked(self, data: bytes) -> bytes:
         want = self.files.get(METADATA, {}).get("sha256")
         if want is not None and sha256_of(data) != want:
             self.corrupt = [f"{METADATA} does not match its sha256 (corrupted)"]
             raise CorruptShards(self.corrupt)
+        return data
+
+    def _parsed(self, data: bytes) -> Metadata:
         metadata: Metadata = pickle.loads(data)
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id

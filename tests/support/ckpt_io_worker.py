@@ -6,7 +6,9 @@ included, since a resume on another node reads from storage what this machine ho
                                          async, after a first save that pays DCP's lazy imports; rank 0 also writes
                                          the model and optimizer as whole tensors to OUT/expected.pt
     ckpt_io_worker.py load CKPT... OUT   each checkpoint loaded at this world size into a model built with another
-                                         seed; a corrupt one is refused with CorruptCheckpointError
+                                         seed as a resume does (state.pt, then the shards); a corrupt one is
+                                         refused with CorruptCheckpointError; the files of each that the rank
+                                         opened are listed
 Each rank writes OUT/<mode>-rank<N>.json.
 """
 
@@ -64,30 +66,49 @@ def save(run_dir: Path, out: Path, rank: int) -> dict[str, Any]:
     return {"saves": 4, "rchar": read}
 
 
+OPENED: list[str] = []
+"""Every file this process opened through Python (the audit hook's ``open`` event: open(), Path.open, torch.load and
+DCP's reader all go through it)."""
+
+
+def _record_opens(event: str, args: tuple[Any, ...]) -> None:
+    if event == "open" and isinstance(args[0], (str, os.PathLike)):
+        OPENED.append(os.fspath(args[0]))
+
+
+def opened_in(path: Path, since: int) -> list[str]:
+    """The files of the checkpoint at ``path`` this process opened after the ``since``-th open, by name inside it."""
+    inside = [Path(p) for p in OPENED[since:] if Path(p).is_relative_to(path)]
+    return sorted(p.relative_to(path).as_posix() for p in inside)
+
+
 def load(paths: list[Path], out: Path, rank: int) -> dict[str, Any]:
     expected = torch.load(out / "expected.pt", weights_only=True)
     report: dict[str, Any] = {}
     for path in paths:
         model, optimizer = build(1)
-        manifest = json.loads((path / store.MANIFEST).read_text())
-        before = rchar()
+        manifest = json.loads((path / store.MANIFEST).read_text())  # what preflight reads on every rank
+        before, opens = rchar(), len(OPENED)
         try:
-            Sharded(model, optimizer, rank).load(path, {}, manifest["files"])
+            saved = store.load_state_shared(store.Found(0, path, manifest))
+            Sharded(model, optimizer, rank).load(path, saved, manifest["files"])
         except CorruptCheckpointError as e:
             report[path.name] = {"corrupt": e.found, "rchar": rchar() - before}
             continue
         read = rchar() - before
+        report[path.name] = {"opened": opened_in(path, opens), "step": saved["trainer"]["step"]}
         same = all(torch.equal(v, expected["model"][k]) for k, v in model.state_dict().items())
         moments = optimizer.state_dict()["state"]
         same_adam = all(
             torch.equal(s["exp_avg"], expected["optimizer"]["state"][i]["exp_avg"]) for i, s in moments.items()
         )
-        report[path.name] = {"rchar": read, "model_equal": same, "adam_equal": same_adam}
+        report[path.name] |= {"rchar": read, "model_equal": same, "adam_equal": same_adam}
     return report
 
 
 def main() -> int:
     mode, out = sys.argv[1], Path(sys.argv[-1])
+    sys.addaudithook(_record_opens)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if mode == "save":

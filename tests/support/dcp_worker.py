@@ -89,6 +89,9 @@ def main() -> None:
             dist.all_gather_object(results[f"{saved_as}->{loaded_as}"], mine)
         if dist.get_rank() == 0:
             (out / "results.json").write_text(json.dumps(results))
+        # Every rank past its last collective before any closes its connections: once, under load, two ranks
+        # aborted in gloo's teardown ("terminate called without an active exception") after rank 0 left.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
