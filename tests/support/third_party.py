@@ -22,6 +22,7 @@ import torch
 from job.checkpoint.export import read_model
 from support.cli import ROOT, torchrun, user_code_env
 from support.runs import assert_bitwise_equal
+from support.tolerance import summation_order_tolerance
 
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))  # examples/hf_models.py, as a user's PYTHONPATH=examples makes it importable
@@ -52,6 +53,7 @@ def args(model: str, out: Path, name: str, *extra: str) -> list[str]:
         *("--sched.warmup-steps", "1", "--sched.warmup-start-factor", "1e-45"),
         *("--train.steps", str(STEPS), "--train.global-batch-size", "8", "--train.micro-batch-size", "4"),
         *("--ckpt.every", "1", "--ckpt.keep-last", "5", "--log.every", "1", "--log.tensorboard", "false"),
+        *("--log.jsonl", "true"),  # every step's lr and gradient norm: the tolerance's update path
         *extra,
     ]
 
@@ -103,31 +105,22 @@ def check_initial(model: str, out: Path) -> None:
     assert_bitwise_equal({k: ddp[k] for k in want}, want, "step 1 vs the library's init")
 
 
-def tolerance(initial: dict[str, torch.Tensor], moved: float) -> float:
-    """How far ddp and fsdp may end apart, derived from the computation; ``moved``: how far training moved the
-    parameters (the largest change of one).
-
-    Both compute every forward and backward with the same parameter values on the same micro-batches; what
-    differs is where gradients are summed and divided (DDP's all-reduce of the whole gradient, FSDP's
-    reduce-scatter of chunks): a few float32 roundings per gradient element, relative error ``k * eps``, k = 4.
-    The updates, whose sum is at most ``(1 + momentum) * moved`` in size (momentum carries a step's gradient into
-    the next), then differ by ``k * eps`` of that, and each update rounds the parameter once more (``eps * |p|``).
-    A difference from an earlier step changes a later gradient by ``lr * H * d``, with ``lr * H < 1`` while
-    training is stable: at most doubling it per step, over ``STEPS - 1`` training steps.
-    """
-    k = 4
-    steps = STEPS - 1
-    largest = max(t.abs().max().item() for t in initial.values() if t.is_floating_point())
-    return 2**steps * ((1 + MOMENTUM) * k * FP32_EPS * moved + steps * FP32_EPS * largest)
+def terms(model: str) -> int:
+    """The products that feed one gradient element (tests/support/tolerance.py): the global batch's 8 items times
+    the positions of an item (tokens, or pixels at the stem) times the widest fan-in of the model (the softmax
+    over the vocabulary; a 3x3 convolution over 64 channels)."""
+    if model in hf_models.TEXT:
+        return 8 * hf_models.SEQ_LEN * hf_models.VOCAB
+    return 8 * hf_models.IMAGE**2 * 3 * 3 * 64
 
 
 def check_within_tolerance(model: str, out: Path) -> tuple[float, float]:
-    """ddp and fsdp end within ``tolerance``, having moved far more than it; (difference, tolerance)."""
+    """ddp and fsdp end within the rounding bound of their order of summation, having moved far more than it;
+    (difference, tolerance)."""
     initial = read_model(step_dir(out, "ddp", 1))
     ddp, fsdp = read_model(step_dir(out, "ddp", STEPS)), read_model(step_dir(out, "fsdp", STEPS))
-    moved = max_diff(ddp, initial)
-    tol = tolerance(initial, moved)
-    diff = max_diff(ddp, fsdp)
+    tol = summation_order_tolerance([out / "ddp", out / "fsdp"], terms(model), MOMENTUM)
+    moved, diff = max_diff(ddp, initial), max_diff(ddp, fsdp)
     assert moved > 100 * tol, f"training moved the parameters by {moved}: too little to tell a wrong run apart"
     assert diff <= tol, f"{model}: ddp and fsdp end {diff} apart, more than {tol}"
     return diff, tol
