@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from support.third_party import hf_models
 from torch import nn
 
 from job.parallel import meta_init
@@ -50,6 +51,8 @@ BUILDS: dict[str, Callable[[], nn.Module]] = {
     "causal_lm_gpt": lambda: GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16)),
     "resnet18": resnet18,
     "tied_padded_orthogonal": Tied,
+    "timm_vit": hf_models.vit,  # trunc_normal_ of timm's own, a drop-path schedule read with .item() on the CPU
+    "timm_convnext": hf_models.convnext,
 }
 
 
@@ -99,9 +102,25 @@ class ReadsValues(nn.Module):
         self.register_buffer("pad", torch.zeros(width))
 
 
+class SkipsOnMeta(nn.Module):
+    """Initialises itself only where the default device is not meta, as transformers' ``init_weights`` does: on
+    meta the record holds torch's default initialisers, not the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        if torch.tensor([]).device.type != "meta":
+            nn.init.normal_(self.proj.weight, std=0.02)
+
+
 @pytest.mark.parametrize(
     ("build_model", "reason"),
-    [(FromData, "stats is made on cpu, not on the meta device"), (ReadsValues, "the build fails on the meta device")],
+    [
+        (FromData, "stats is made on cpu, not on the meta device"),
+        (ReadsValues, "the build fails on the meta device"),
+        (SkipsOnMeta, "initialising operation 5 is nothing on meta, aten.normal_.default on the CPU"),
+        (hf_models.gpt2, "the build initialises differently on the meta device"),
+    ],
 )
 def test_what_it_cannot_replay_is_built_on_the_cpu_naming_why(
     build_model: Callable[[], nn.Module], reason: str, caplog: pytest.LogCaptureFixture

@@ -179,9 +179,10 @@ def check_resumable(
             f"the newest checkpoint (step {manifest.get('step')}) was written with world_size={saved_ws}, "
             f"this run has world_size={world_size}.",
             f"launch {saved_ws} processes, or pass "
-            f"--ckpt.allow-world-size-change true (supported: the data position is mapped by samples consumed, "
-            f"so the sample order is kept when train.global_batch_size is unchanged; per-rank RNG streams are re-seeded "
-            f"and results match the uninterrupted run up to floating-point summation order).",
+            f"--ckpt.allow-world-size-change true (supported: the data position is mapped by samples consumed, so "
+            f"with train.global_batch_size unchanged each sample is trained on as often and in the same order; "
+            f"per-rank RNG streams are re-seeded, so dropout masks differ from the uninterrupted run's, and only a "
+            f"model without dropout matches it up to floating-point summation order).",
         )
     if micro_batch_size is not None:
         _check_position(manifest, world_size, micro_batch_size)

@@ -157,10 +157,11 @@ class Sharded:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier(group=self.group)  # nobody writes into a directory rank 0 is still replacing
-        if self.replicated:  # each rank's BatchNorm statistics differ: rank 0's are the ones saved, as before
-            broadcast_buffers(self.model)
-            if self.ema is not None:
-                broadcast_buffers(self.ema.module)
+        # Under either strategy each rank's BatchNorm statistics differ after a step: rank 0's are saved (DCP
+        # keeps one rank's copy of a replicated tensor, not necessarily rank 0's).
+        broadcast_buffers(self.model)
+        if self.ema is not None:
+            broadcast_buffers(self.ema.module)
         state = self.state_dict()
         if self.replicated:
             state = _map_tensors(state, self._chunk)

@@ -459,7 +459,8 @@ class FsdpConfig(BaseModel):
     model_config = _SECTION
     units: tuple[str, ...] = ()
     """Class names of the modules sharded as one unit each (their parameters are gathered together), e.g.
-    [Block]; empty: the task's shard_units(model), else the root alone. The root is always a unit too."""
+    [Block]; empty: the task's shard_units(model), else the blocks a Hugging Face model names in its
+    _no_split_modules, else the root alone. The root is always a unit too."""
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward (gathered again for backward): less memory, one
     all-gather more per unit and micro-batch."""

@@ -194,13 +194,23 @@ def broadcast_buffers(module: nn.Module) -> None:
 
     DDP broadcasts them only at the start of a training forward, so after a step each rank holds the
     statistics of its own micro-batches. Evaluation and saving call this first: every rank evaluates the model
-    rank 0 saves. Training is unchanged: the next forward would broadcast rank 0's anyway.
+    rank 0 saves. Training is unchanged: the next forward would broadcast rank 0's anyway. Under fsdp, which
+    broadcasts nothing, rank 0's statistics evolve from rank 0's micro-batches alone, as under DDP: broadcast
+    before evaluating and saving, they are the ones evaluated and saved under both strategies.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for buffer in module.buffers():
+        groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
     with torch.no_grad():
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)
+        for buffers in groups.values():  # one broadcast per dtype, as DDP coalesces its own
+            flat = _flatten_dense_tensors(buffers)
+            dist.broadcast(flat, src=0)
+            for buffer, value in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
+                buffer.copy_(value)
 
 
 def broadcast_from_main(values: list[float], rt: Runtime) -> list[float]:

@@ -4,9 +4,10 @@
 within the shard group, then an all-reduce of the shards across groups). One group (replicate 1) is plain fsdp.
 
 The units (modules whose parameters are gathered together, one all-gather each) are the modules whose class
-names ``fsdp.units`` lists, else those the task's optional ``shard_units(model)`` returns; the root is always
-one more unit, holding every parameter no unit owns. Preflight checks the units on the model it built
-(``check_units``: exit 2 before any process group); ``shard`` then shards that same model in place. Preflight
+names ``fsdp.units`` lists, else those the task's optional ``shard_units(model)`` returns, else the blocks a
+Hugging Face model names in its ``_no_split_modules``; the root is always one more unit, holding every parameter
+no unit owns. Preflight checks the units on the model it built (``check_units``: exit 2 before any process
+group); ``shard`` then shards that same model in place. Preflight
 built it on the meta device (job.parallel.meta_init: each rank then materialises its shards as the seeded CPU
 build would make them), or whole on the CPU where that is refused, so FSDP starts from exactly the parameters DDP
 would. See docs/sharding.md for when to choose it and what it costs.
@@ -15,6 +16,7 @@ would. See docs/sharding.md for when to choose it and what it costs.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,7 +107,7 @@ def unit_modules(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.Module]
     if not names:
         if task is not None and task.has("shard_units"):
             return [m for m in task.task.shard_units(model) if m is not model]
-        return []
+        return _no_split_units(model)
     present = {type(m).__name__ for m in model.modules()}
     for name in names:
         if name not in present:
@@ -118,6 +120,22 @@ def unit_modules(model: nn.Module, cfg: JobConfig, task: Any) -> list[nn.Module]
             )
     wanted = set(names)
     return [m for m in model.modules() if m is not model and type(m).__name__ in wanted]
+
+
+def _no_split_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks a Hugging Face model names as its own in ``_no_split_modules`` (class names Accelerate's FSDP
+    auto-wrap reads), the root excluded; none for a model without them. A block holding a parameter tied to one
+    outside it (BERT's embeddings, tied to its output layer) is left to the root: FSDP shards a parameter once."""
+    wanted = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    units = []
+    for m in model.modules():
+        if m is model or type(m).__name__ not in wanted:
+            continue
+        inside = Counter(id(p) for _, p in m.named_parameters(remove_duplicate=False))
+        if all(uses[key] == count for key, count in inside.items()):
+            units.append(m)
+    return units
 
 
 def check_units(model: nn.Module, cfg: JobConfig, task: Any) -> None:

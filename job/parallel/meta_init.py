@@ -168,14 +168,18 @@ class _Constants(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _recording_calls(recorder: _Recorder) -> Iterator[None]:
-    """Patch the nn.init functions that return early on meta so that a meta call is recorded."""
+def _recording_calls(
+    record: Callable[[Callable[..., Any], torch.Tensor, Any, Any], None],
+    applies: Callable[[torch.Tensor], bool] = lambda t: t.is_meta,
+) -> Iterator[None]:
+    """Patch the nn.init functions that return early on meta so that a call on a tensor it ``applies`` to is
+    ``record``ed (a meta tensor: ``_Recorder.record_call``) instead of run."""
     originals = {name: getattr(nn.init, name) for name in PATCHED_INITS}
 
     def patched(fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                recorder.record_call(fn, tensor, args, kwargs)
+            if isinstance(tensor, torch.Tensor) and applies(tensor):
+                record(fn, tensor, args, kwargs)
                 return tensor
             return fn(tensor, *args, **kwargs)
 
@@ -326,6 +330,117 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_buffers(remove_duplicate=False)
 
 
+Step = tuple[str, Any, Any]
+"""One initialising operation of a build: its name, its arguments (each tensor as size, stride, offset and dtype;
+devices left out) and its keyword arguments."""
+
+
+def _step(func: Any, args: Any, kwargs: dict[str, Any]) -> Step:
+    def one(x: Any) -> Any:
+        if isinstance(x, Ref):
+            return ("tensor", x.size, x.stride, x.offset, x.dtype)
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.size()), tuple(x.stride()), int(x.storage_offset()), x.dtype)
+        if isinstance(x, torch.device):
+            return "device"
+        return x
+
+    kept = sorted((k, v) for k, v in kwargs.items() if k not in ("device", "pin_memory"))
+    name = func.__name__ if callable(func) and not isinstance(func, torch._ops.OpOverload) else str(func)
+    return name, tree_map(one, args), tree_map(one, kept)
+
+
+def _initialising(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """A random draw, an in-place write or a factory (no tensor argument): the operations that decide values."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return True
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        return True
+    return not any(isinstance(x, (torch.Tensor, Ref)) for x in tree_flatten((args, kwargs))[0])
+
+
+class _OnTheCPU(TorchFunctionMode):
+    """What the meta build computes on real CPU tensors stays real in the fake build: a tensor made with an explicit
+    ``device="cpu"``, and what is computed from real tensors alone (a drop-path schedule read with ``.item()``)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        explicit_cpu = device is not None and torch.device(device).type == "cpu"
+        if explicit_cpu or (tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors)):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _Path(TorchDispatchMode):
+    """The initialising operations of a build with fake tensors: ``Step``s, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[Step] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        fake = any(isinstance(t, FakeTensor) for t in tree_flatten((args, kwargs, out))[0])
+        if fake and _initialising(func, args, kwargs):  # as the record keeps only what touches a meta tensor
+            self.steps.append(_step(func, args, kwargs))
+        return out
+
+    def record_call(self, fn: Callable[..., Any], tensor: torch.Tensor, args: Any, kwargs: Any) -> None:
+        self.steps.append(_step(fn, (tensor, *args), kwargs))
+
+
+def _recorded_path(recorder: _Recorder) -> list[Step]:
+    """The initialising operations of the meta build, as ``_Path`` writes them."""
+    steps = []
+    for op in recorder.ops:
+        if op.random or op.writes is not None or _initialising(op.func, op.args, op.kwargs):
+            steps.append(_step(op.func, op.args, op.kwargs))
+    return steps
+
+
+def _path_differs(build_model: Callable[[], nn.Module], recorder: _Recorder) -> list[str]:
+    """Why the meta build may not give what the CPU build gives (empty: it takes the same path).
+
+    The replay recomputes exactly what the meta build did; the question is whether the CPU build does the same. A
+    model may skip or change its initialisation on meta (transformers skips its own when the default device is
+    meta, leaving torch's defaults). A third build, with fake tensors (no storage, but they report the CPU as
+    their device), performs every operation the CPU build performs: where its random draws, in-place writes and
+    factories, with their shapes and constants, are the meta build's in order, the replay is the CPU build.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    path = _Path()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with (
+                FakeTensorMode(allow_non_fake_inputs=True),
+                _OnTheCPU(),
+                _recording_calls(path.record_call, lambda t: isinstance(t, FakeTensor)),
+                path,
+            ):
+                build_model()
+        except Exception as e:
+            return [f"the build fails with fake tensors, which check the meta build ({type(e).__name__}: {e!s:.200})"]
+    meta = _recorded_path(recorder)
+    if meta == path.steps:
+        return []
+    i = next((i for i, (a, b) in enumerate(zip(meta, path.steps)) if a != b), min(len(meta), len(path.steps)))
+    on_meta = meta[i][0] if i < len(meta) else "nothing"
+    on_cpu = path.steps[i][0] if i < len(path.steps) else "nothing"
+    return [
+        f"the build initialises differently on the meta device: its initialising operation {i + 1} is {on_meta} "
+        f"on meta, {on_cpu} on the CPU (a model that skips or changes its initialisation on meta)"
+    ]
+
+
 def build(build_model: Callable[[], nn.Module], seed: int, warn: bool = True) -> tuple[nn.Module, Replay | None]:
     """The model on meta with its ``Replay``, or, where the record cannot reproduce the CPU build, the model
     built on the CPU (seeded with ``seed``) and None, with a warning naming why (``warn``: this rank logs it).
@@ -335,7 +450,7 @@ def build(build_model: Callable[[], nn.Module], seed: int, warn: bool = True) ->
     reasons: list[str] = []
     model: nn.Module | None = None
     try:
-        with torch.device("meta"), _Constants(), _recording_calls(recorder), recorder:
+        with torch.device("meta"), _Constants(), _recording_calls(recorder.record_call), recorder:
             model = build_model()
     except Exception as e:
         reasons.append(f"the build fails on the meta device ({type(e).__name__}: {str(e).strip()[:200]})")
@@ -345,6 +460,8 @@ def build(build_model: Callable[[], nn.Module], seed: int, warn: bool = True) ->
     if model is not None:
         replay = Replay(model, recorder, seed)
         reasons += replay.unreplayable()
+        if not reasons:
+            reasons += _path_differs(build_model, recorder)
     if not reasons and replay is not None:
         reasons += _first_pass(replay)
     if reasons or model is None or replay is None:
