@@ -9,6 +9,28 @@ from support.cli import make_data
 
 from job.bench import crops as crops_bench
 
+# The files that take longest (minutes each: an image build, clusters, multi-process chains), started first:
+# `pytest -n 3 --dist loadfile` hands files to workers in collection order, and a long file handed out last
+# keeps one worker busy after the others are done.
+SLOW_FIRST = (
+    "test_image.py",
+    "test_k8s_trainjob_sim.py",
+    "test_slurm.py",
+    "test_hsdp.py",
+    "test_k8s_sim.py",
+    "test_fsdp.py",
+    "test_third_party_text.py",
+    "test_third_party_vision.py",
+    "test_trackers.py",
+    "test_faults.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the slow files first (a stable sort: the order within a file, and of the rest, is kept)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
