@@ -29,6 +29,7 @@ MAY_CHANGE = (
     "data.loader_timeout_s",
     "train.steps",
     "train.eval_every",
+    "train.early_stop.",  # when the run ends, as train.steps; another metric or mode counts afresh (job.train.early_stop)
     "train.stop_signals",
     "train.max_time",  # one attempt's budget: the next attempt may have another
     "train.max_nonfinite_skips",

@@ -277,6 +277,21 @@ class SchedConfig(BaseModel):
         return self
 
 
+class EarlyStopConfig(BaseModel):
+    """Ends training, as finished (exit 0), once a validation metric has stopped improving (job.train.early_stop)."""
+
+    model_config = _SECTION
+    metric: str | None = None
+    """The validation metric to watch, as the VAL and FINAL lines name it (val_loss, val_top1, val_perplexity); it
+    is evaluated every train.eval_every steps. None: off, the run trains to train.steps."""
+    mode: Literal["min", "max"] = "min"
+    """min: an improvement is a lower value (a loss); max: a higher one (an accuracy)."""
+    patience: int = Field(3, ge=1)
+    """Evaluations in a row without improvement after which the run ends (after the step of the last of them)."""
+    min_delta: float = Field(0.0, ge=0)
+    """The least change over the best value so far that counts as an improvement."""
+
+
 class TrainConfig(BaseModel):
     """The loop."""
 
@@ -312,6 +327,8 @@ class TrainConfig(BaseModel):
     row."""
     stop_signals: tuple[str, ...] = STOP_SIGNALS
     """Signals that request save-and-exit (exit code 143). Remove one to leave it to another handler."""
+    early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig)
+    """Early stopping: end the run once train.early_stop.metric stops improving (off by default)."""
     max_time: duration | None = None
     """The time budget of one attempt, from the attempt's start (the launcher's, else the process's; a duration: 90s, 30m, 1h30m, 2d or seconds; None:
     none). When spent, the ranks agree on a step, save and exit 143 with reason time-budget, and the launcher
