@@ -28,7 +28,7 @@ from typing import Any
 from job.cluster.env import DistEnv
 from job.config import JobConfig
 from job.errors import ReportFailed
-from job.observe.status import Sink, Status
+from job.observe.status import EARLY_STOP, Sink, Status
 from job.observe.trainjob import TrainJobProgress
 
 log = logging.getLogger("job")
@@ -65,10 +65,11 @@ class Pace:
         window_step_s: float,
         metrics: dict[str, float],
         checkpoint: tuple[int, float] | None,
-        finished: bool = False,
+        end: str | None = None,
     ) -> Status:
         """``window_step_s``: the log window's mean step time; ``checkpoint``: (step, ``time.monotonic()`` when
-        its state was taken) of the newest checkpoint on storage, or None."""
+        its state was taken) of the newest checkpoint on storage, or None; ``end``: why the run finished
+        (``Status.end_reason``), None while it runs."""
         now = time.monotonic()
         if self._first is None:
             self._first = (step, now)
@@ -79,7 +80,7 @@ class Pace:
         last_step, age = None, None
         if checkpoint is not None:
             last_step, age = checkpoint[0], max(now - checkpoint[1], 0.0)
-        return Status(step, self.total_steps, time.time(), step_time_s, metrics, last_step, age, finished)
+        return Status(step, self.total_steps, time.time(), step_time_s, metrics, last_step, age, end is not None, end)
 
 
 class _Failures:
@@ -238,7 +239,9 @@ def status_record(status: Status) -> dict[str, Any]:
       evaluated (``val/...``, ``ema/val/...``); a non-finite value is null;
     - ``last_checkpoint_step``: the newest step whose checkpoint is complete on storage (null: none yet);
       ``checkpoint_age_s``: seconds since that checkpoint's state was taken, the work a preemption now costs;
-    - ``finished``: true once the run completed (false after a preemption: it resumes).
+    - ``finished``: true once the run completed (false after a preemption: it resumes);
+    - ``end_reason``: why it completed: ``completed`` (``train.steps`` reached) or ``early-stop``
+      (``train.early_stop``); null while it runs and after a preemption.
     """
     return {
         "schema": STATUS_SCHEMA,
@@ -253,6 +256,7 @@ def status_record(status: Status) -> dict[str, Any]:
         "last_checkpoint_step": status.last_checkpoint_step,
         "checkpoint_age_s": status.checkpoint_age_s,
         "finished": status.finished,
+        "end_reason": status.end_reason,
     }
 
 
@@ -295,6 +299,8 @@ def comment_text(status: Status) -> str:
     """The one-line summary, e.g. ``ddp-job step 40/100 40% eta 120s ckpt@30 age 12s loss 0.41``."""
     state = "done" if status.finished else "step"
     parts = [f"ddp-job {state} {status.step}/{status.total_steps} {status.progress_percentage}%"]
+    if status.end_reason == EARLY_STOP:
+        parts.append(EARLY_STOP)
     eta = status.estimated_remaining_s
     if eta is not None and not status.finished:
         parts.append(f"eta {eta}s")

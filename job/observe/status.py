@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+COMPLETED = "completed"
+"""``Status.end_reason`` of a run that trained to ``train.steps``."""
+EARLY_STOP = "early-stop"
+"""``Status.end_reason`` of a run that ``train.early_stop`` ended before ``train.steps`` (job.train.early_stop)."""
+
 
 @dataclass(frozen=True)
 class Status:
@@ -29,6 +34,8 @@ class Status:
     checkpoint_age_s: float | None = None
     """Seconds of training since that checkpoint: the work a preemption now would cost."""
     finished: bool = False
+    end_reason: str | None = None
+    """Why the run finished: ``COMPLETED`` or ``EARLY_STOP``; None while it runs (and after a preemption)."""
 
     @property
     def progress_percentage(self) -> int:

@@ -106,6 +106,8 @@ class Evaluator:
         self.console = console
         self.latest: dict[str, float] = {}
         """The newest evaluation's results (empty until the first): what a progress report carries."""
+        self.latest_step = -1
+        """The step ``latest`` evaluated (-1: none yet)."""
 
     def results(self, step: int = 0) -> dict[str, float]:
         """Validation metrics of the model, and of the EMA as ``ema/...`` when it is enabled (every rank), after
@@ -120,12 +122,23 @@ class Evaluator:
             distributed.broadcast_buffers(p.ema.module)
             out.update({f"ema/{k}": v for k, v in evaluate(p.ema.module, p, self.mark).items()})
             fsdp.reshard(p.ema.module)  # the EMA's update writes into its shards
-        self.latest = out
+        self.latest, self.latest_step = out, step
         return out
+
+    def final(self, step: int) -> dict[str, float]:
+        """The final evaluation of ``step``: the one just made where the step was evaluated already (a run that
+        stopped early), else a new one."""
+        if self.latest_step == step:
+            return self.latest
+        return self.results(step)
+
+    def due(self, step: int) -> bool:
+        """Whether ``after_step`` evaluates at ``step``."""
+        return bool(self.every) and step % self.every == 0 and step < self.total_steps
 
     def after_step(self, step: int) -> None:
         """The periodic evaluation; the last step is evaluated by the run's end, with the final report."""
-        if self.every and step % self.every == 0 and step < self.total_steps:
+        if self.due(step):
             results = self.results(step)
             self.writer.scalars(step, results)
             if self.console:
@@ -138,4 +151,9 @@ def metric_values(results: dict[str, float], prefix: str, only: tuple[str, ...] 
     names = [k for k in results if k.startswith(prefix) and k != prefix + "count"]
     if only:
         names = [prefix + n for n in only if prefix + n in results]
-    return " ".join(f"val_{k[len(prefix) :].replace('/', '_')}={results[k]:.4f}" for k in names)
+    return " ".join(f"{console_name(k, prefix)}={results[k]:.4f}" for k in names)
+
+
+def console_name(key: str, prefix: str = "val/") -> str:
+    """How the VAL and FINAL lines name the result ``key`` under ``prefix``: ``val/loss`` -> ``val_loss``."""
+    return "val_" + key[len(prefix) :].replace("/", "_")

@@ -16,9 +16,11 @@ from job.config.plan import Plan
 from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, FailedAfterStart
 from job.observe.metrics import NullWriter, TrainLog, hparams
 from job.observe.report import NullReporter, Pace, reported_metrics
-from job.observe.status import Status
+from job.observe.status import COMPLETED, Status
+from job.observe.status import EARLY_STOP as EARLY_STOP_REASON
 from job.observe.watchdog import Watchdog
 from job.parallel import ddp, distributed
+from job.train.early_stop import EarlyStop
 from job.train.evaluate import Evaluator, metric_values
 from job.train.parts import Parts
 from job.train.preempt import StopRequest
@@ -47,6 +49,8 @@ class Run:
     reporter: NullReporter
     """Rank 0's progress reports (job.observe.report); a null one on the other ranks."""
     pace: Pace
+    early_stop: EarlyStop
+    """``train.early_stop``'s count, the same on every rank (job.train.early_stop)."""
     watchdog: Watchdog | None = None
     """Armed around each step once the first step is done (job.observe.watchdog)."""
 
@@ -57,24 +61,49 @@ class End(Enum):
     STOP = "stop"
     """The ranks agreed to stop: the stop save, the stop record, 143 (``preempted``); on the last step the run
     is finished instead (``finish``): nothing is left to resume."""
+    EARLY_STOP = EARLY_STOP_REASON
+    """``train.early_stop``'s metric ran out of patience at this step's evaluation: the run is finished (``finish``)."""
 
 
 def train_loop(run: Run) -> int:
-    """Train to ``plan.total_steps`` or to a stop request; returns the exit code (0, or 143 after saving)."""
+    """Train to ``plan.total_steps``, to an early stop or to a stop request; returns the exit code (0, or 143 after
+    saving)."""
     first_step = run.state.step + 1
     try:
-        while run.state.step < run.plan.total_steps:
+        end = resumed(run)
+        while end is not End.EARLY_STOP and run.state.step < run.plan.total_steps:
             end = iteration(run)
             if run.state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
                 _first_step_done(run)
             if end is End.STOP and run.state.step < run.plan.total_steps:
                 return preempted(run)
-        return finish(run)
+        return finish(run, end)
     except BadInput as e:  # training started: checkpoints may be on storage, never "nothing written" (2)
         raise FailedAfterStart.of(e, run.state.step) from e
     finally:
         if run.watchdog is not None:
             run.watchdog.close()
+
+
+def resumed(run: Run) -> End | None:
+    """Before the first step of an attempt: the evaluation of the step resumed from where it was due but its stop
+    save came first, counted now as the uninterrupted run counted it; ``End.EARLY_STOP`` where the count is spent
+    (a run that stopped early, run again, finishes at once)."""
+    step = run.state.step
+    if run.early_stop.missed(step) and run.evaluator.due(step):
+        run.evaluator.after_step(step)
+    if early_stopped(run):
+        return End.EARLY_STOP
+    return None
+
+
+def early_stopped(run: Run) -> bool:
+    """After the step's evaluation, if one was made: whether ``train.early_stop`` ends the run. Every rank judges
+    rank 0's value (job.train.early_stop), so every rank ends after the same step."""
+    step = run.state.step
+    if run.evaluator.latest_step == step:
+        return run.early_stop.judge(step, run.evaluator.latest)
+    return run.early_stop.stopped
 
 
 def _first_step_done(run: Run) -> None:
@@ -110,6 +139,8 @@ def iteration(run: Run) -> End | None:
     if stop_agreed(run):  # before the evaluation and the periodic save: the stop save must fit the grace period
         return End.STOP
     run.evaluator.after_step(state.step)
+    if early_stopped(run):  # its checkpoint is the final one (finish)
+        return End.EARLY_STOP
     run.checkpointer.after_step(state.step)
     if state.step < run.plan.total_steps:  # the last step's record takes the final evaluation first (finish)
         run.writer.commit()  # the step's record, complete: every component has added its values
@@ -118,12 +149,13 @@ def iteration(run: Run) -> End | None:
     return None
 
 
-def status(run: Run, finished: bool = False) -> Status:
+def status(run: Run, end: str | None = None) -> Status:
     """The run's status now, from host values only: the log step's scalars, the newest evaluation, the newest
-    checkpoint on storage."""
+    checkpoint on storage; ``end``: why the run finished (job.observe.status: ``COMPLETED``, ``EARLY_STOP``), None
+    while it runs."""
     metrics = reported_metrics(run.log.latest, run.evaluator.latest)
     window_step_s = run.log.latest.get("perf/step_time_s", 0.0)
-    return run.pace.status(run.state.step, window_step_s, metrics, run.checkpointer.committed(), finished)
+    return run.pace.status(run.state.step, window_step_s, metrics, run.checkpointer.committed(), end)
 
 
 def stop_agreed(run: Run) -> bool:
@@ -155,11 +187,12 @@ def preempted(run: Run) -> int:
     return EXIT_PREEMPTED
 
 
-def finish(run: Run) -> int:
-    """The end of a completed run: final evaluation, the last checkpoint, the FINAL line."""
+def finish(run: Run, end: End | None = None) -> int:
+    """The end of a completed run (``train.steps`` reached, or ``end``: an early stop): final evaluation, the last
+    checkpoint, the FINAL line."""
     step, is_main = run.state.step, run.env.is_main
     run.parts.guard.check(step, run.state)
-    results = run.evaluator.results(step)
+    results = run.evaluator.final(step)
     if is_main and run.parts.ema is not None:  # the headline metric (the task's first) and the loss
         headline = dict.fromkeys((run.parts.metric_names[0], "loss"))
         log.info("EMA %s", metric_values(results, "ema/val/", tuple(headline)))
@@ -171,7 +204,10 @@ def finish(run: Run) -> int:
     run.checkpointer.finish(step)
     if is_main:
         log.info(run.checkpointer.overhead())
-    run.reporter.close(status(run, finished=True))
+    reason = COMPLETED
+    if end is End.EARLY_STOP:
+        reason = End.EARLY_STOP.value
+    run.reporter.close(status(run, end=reason))
     run.writer.hparams(hparams(config_to_dict(run.cfg)), {"hparam/" + k: v for k, v in results.items()})
     if is_main:
         run_dir = run.cfg.run_dir

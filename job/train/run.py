@@ -41,7 +41,7 @@ from job.parallel import distributed, fsdp, memory
 from job.tasks.contract import Bound
 from job.tasks.load import load_task
 from job.tasks.preflight import Checked, check_task
-from job.train import debug
+from job.train import debug, early_stop
 from job.train.evaluate import Evaluator
 from job.train.loop import Run, train_loop
 from job.train.parts import Parts, build_parts
@@ -85,6 +85,7 @@ def preflight(cfg: JobConfig, env: DistEnv) -> Preflight:
         log.info("resuming: model.weights=%s is not loaded (the checkpoint holds the weights)", cfg.model.weights)
     task = load_task(cfg)
     checked = check_task(task, cfg, env, plan, cuda, load_weights=found is None)
+    early_stop.check(cfg, task, checked.metric_names)
     fsdp.check_units(checked.model, cfg, task)
     if cfg.doctor.enabled:
         check_memory(cfg, env, task, checked, cuda)
@@ -250,12 +251,13 @@ def build_run(
     stop.where = "start-up (before the first step)"
     parts = build_parts(cfg, env, plan, rt, pre.task, pre.checked, initial_weights=found is None)
     state = TrainState()
+    counter = _early_stop(cfg, env, plan, rt, pre.task, parts.metric_names)
     debug.install(cfg.debug, env.rank, parts, state)
     sinks = trackers.build(cfg, env, found is not None, os.environ)
     writer = cleanup.enter_context(
         contextlib.closing(metrics.build_writer(cfg.log.tensorboard, env.is_main, cfg.run_dir, cfg.log.jsonl, sinks))
     )
-    checkpointer = _checkpointer(cfg, env, plan, rt, parts, state, writer)
+    checkpointer = _checkpointer(cfg, env, plan, rt, parts, state, writer, counter)
     debug.install_checkpoint(cfg.debug, env.rank, checkpointer)
     cleanup.callback(checkpointer.manager.close)
     stop.busy = checkpointer.manager.in_flight
@@ -305,6 +307,22 @@ def build_run(
         vote,
         reporter,
         pace,
+        counter,
+    )
+
+
+def _early_stop(
+    cfg: JobConfig, env: DistEnv, plan: Plan, rt: distributed.Runtime, task: Bound, metric_names: tuple[str, ...]
+) -> early_stop.EarlyStop:
+    """``train.early_stop``'s count, its metric checked again: on the meta device it is known only once the model
+    is materialised (job.tasks.preflight.check_values)."""
+    early_stop.check(cfg, task, metric_names)
+    return early_stop.EarlyStop(
+        cfg.train.early_stop,
+        plan.total_steps,
+        task.name,
+        env.is_main,
+        agree=lambda values: distributed.broadcast_from_main(values, rt),
     )
 
 
@@ -344,6 +362,7 @@ def _checkpointer(
     parts: Parts,
     state: TrainState,
     writer: metrics.NullWriter,
+    counter: early_stop.EarlyStop,
 ) -> Checkpointer:
     """The checkpoint registry (one line per stateful part, in restore order) and its cadence."""
     layout = Layout(env.world_size, plan)
@@ -362,6 +381,7 @@ def _checkpointer(
     states.add("rng", RngStates(parts.device, env.rank, env.world_size, rt.control_group, layout))
     if parts.task.stateful():  # the task's own state: a teacher, a memory bank, a curriculum counter
         states.add("task", parts.task.task)
+    states.add("early_stop", counter, optional=True)  # absent from a checkpoint written before early stopping
     async_save = cfg.ckpt.async_save == "on" or (cfg.ckpt.async_save == "auto" and parts.device.type == "cuda")
     manager = ckpt.CheckpointManager(
         cfg.run_dir, cfg.ckpt.keep_last, async_save, env.is_main, cfg.debug.ckpt_write_delay_s, sharded

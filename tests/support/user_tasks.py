@@ -290,3 +290,25 @@ class Widening(Dataset):
 class LaterItemsDoNotCollate(Regression):
     def dataset(self, split: str) -> Dataset:
         return Widening()
+
+
+class Plateau(Regression):
+    """A model that training never changes (every parameter's LR scaled by 0): its validation metrics are the
+    same at every evaluation, the plateau on which early stopping ends a run. ``summarize`` derives ``val/rmse``.
+    ``stop_before_step``: as that step begins, the task asks the run to stop (creates ``stop_file``), a request
+    the ranks agree on at the next step's boundary (0: never)."""
+
+    def __init__(self, stop_file: str = "", stop_before_step: int = 0, **options: Any) -> None:
+        super().__init__(**options)
+        self.stop_file, self.stop_before_step = stop_file, stop_before_step
+
+    def param_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": list(model.parameters()), "lr_scale": 0.0}]
+
+    def summarize(self, values: dict[str, float]) -> dict[str, float]:
+        return {"val/rmse": values["val/mse"] ** 0.5}
+
+    def before_step(self, step: int, epoch: int) -> None:
+        if step == self.stop_before_step:
+            with open(self.stop_file, "w"):
+                pass
