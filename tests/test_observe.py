@@ -255,9 +255,10 @@ def test_collective_timeout_names_the_stalled_rank(tmp_path: Path, data: Path) -
 
 
 def test_a_rank_stalled_in_evaluation_is_named_and_leaves_its_stacks(tmp_path: Path, data: Path) -> None:
-    """Rank 0 sleeps before its final evaluation's first forward. Rank 1, done with its shard, times out in the
-    evaluation's all-reduce and names rank 0 and where it is; the agent then SIGTERMs rank 0, still asleep, and
-    before the agent's SIGKILL 30 s later rank 0's watchdog writes where it was."""
+    """Rank 0 sleeps before its final evaluation's first forward. Rank 1, done with its first batch, times out in
+    the evaluation's vote before its second (the ranks vote before each batch: job.train.evaluate) and names rank
+    0 and where it is; the agent then SIGTERMs rank 0, still asleep, and before the agent's SIGKILL 30 s later rank
+    0's watchdog writes where it was."""
     run_dir = tmp_path / "runs" / "evalhang"
     r = torchrun(
         2,
@@ -284,8 +285,8 @@ def test_a_rank_stalled_in_evaluation_is_named_and_leaves_its_stacks(tmp_path: P
     assert r.returncode != 0, out[-3000:]
     line = next((ln for ln in out.splitlines() if "collective timed out on rank 1" in ln), None)
     assert line is not None, out[-5000:]
-    assert "stalled: rank(s) [0]" in line and "rank 0: completed step 2, evaluating after step 2," in line, line
-    assert "rank 1: completed step 2, evaluated its shard, waiting in the evaluation's all-reduce" in line, line
+    assert "stalled: rank(s) [0]" in line and "rank 0: completed step 2, voting before its validation batch 1," in line
+    assert "rank 1: completed step 2, voting before its validation batch 2," in line, line
     assert "rank 0: a stop signal landed" in out, out[-5000:]
     assert re.search(r'job/train/debug\.py", line \d+ in __call__', out), out[-5000:]
     assert re.search(r'job/train/evaluate\.py", line \d+ in evaluate', out), out[-5000:]

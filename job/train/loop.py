@@ -21,7 +21,7 @@ from job.observe.status import EARLY_STOP as EARLY_STOP_REASON
 from job.observe.watchdog import Watchdog
 from job.parallel import ddp, distributed
 from job.train.early_stop import EarlyStop
-from job.train.evaluate import Evaluator, metric_values
+from job.train.evaluate import EvaluationStopped, Evaluator, StopPoll, metric_values
 from job.train.parts import Parts
 from job.train.preempt import StopRequest
 from job.train.step import TrainState, train_step
@@ -71,6 +71,8 @@ def train_loop(run: Run) -> int:
     first_step = run.state.step + 1
     try:
         end = resumed(run)
+        if end is End.STOP:  # during the resumed step's evaluation: its checkpoint is the one resumed from
+            return preempted(run)
         while end is not End.EARLY_STOP and run.state.step < run.plan.total_steps:
             end = iteration(run)
             if run.state.step == first_step:  # rendezvous, compile and warm-up are over: fail fast from now on
@@ -91,7 +93,10 @@ def resumed(run: Run) -> End | None:
     (a run that stopped early, run again, finishes at once)."""
     step = run.state.step
     if run.early_stop.missed(step) and run.evaluator.due(step):
-        run.evaluator.after_step(step)
+        try:
+            run.evaluator.after_step(step)
+        except EvaluationStopped:
+            return End.STOP
     if early_stopped(run):
         return End.EARLY_STOP
     return None
@@ -138,7 +143,10 @@ def iteration(run: Run) -> End | None:
         run.watchdog.disarm()
     if stop_agreed(run):  # before the evaluation and the periodic save: the stop save must fit the grace period
         return End.STOP
-    run.evaluator.after_step(state.step)
+    try:
+        run.evaluator.after_step(state.step)
+    except EvaluationStopped:  # a request made during the step or the evaluation: its save comes next
+        return End.STOP
     if early_stopped(run):  # its checkpoint is the final one (finish)
         return End.EARLY_STOP
     run.checkpointer.after_step(state.step)
@@ -173,7 +181,8 @@ def preempted(run: Run) -> int:
         run.parts.guard.check(step, run.state)
         reasons = distributed.any_flags(run.stop.reasons(), run.rt)
         log.info("stop requested (%s): saving at step %d and exiting %d", run.stop.reason(), step, EXIT_PREEMPTED)
-        run.checkpointer.save(step, stop=True)
+        if run.checkpointer.saved_step != step:  # else saved already: a stop during the final evaluation (finish)
+            run.checkpointer.save(step, stop=True)
         run.writer.commit()
         # torchrun SIGTERMs the other workers as soon as one exits non-zero, and SIGKILLs them 30 s later:
         # nobody exits before rank 0's checkpoint is on disk.
@@ -189,10 +198,22 @@ def preempted(run: Run) -> int:
 
 def finish(run: Run, end: End | None = None) -> int:
     """The end of a completed run (``train.steps`` reached, or ``end``: an early stop): final evaluation, the last
-    checkpoint, the FINAL line."""
+    checkpoint, the FINAL line; or, when a stop request arrives during the final evaluation, the stop save of the
+    last step and 143 (the next attempt only evaluates).
+
+    A request made before (the last step's stop vote, or during that step) is answered by finishing: the last
+    checkpoint is then saved first, so that the training is on storage within the notice even if the final
+    evaluation is not."""
     step, is_main = run.state.step, run.env.is_main
     run.parts.guard.check(step, run.state)
-    results = run.evaluator.final(step)
+    arrived = run.stop.arrivals()  # before the vote: a request landing in between cuts the evaluation
+    if distributed.all_reduce_max_flag(run.stop.local(), run.rt):
+        run.checkpointer.finish(step)
+    run.evaluator.poll = StopPoll(arrived, run.rt.control_group)
+    try:
+        results = run.evaluator.final(step)
+    except EvaluationStopped:
+        return preempted(run)
     if is_main and run.parts.ema is not None:  # the headline metric (the task's first) and the loss
         headline = dict.fromkeys((run.parts.metric_names[0], "loss"))
         log.info("EMA %s", metric_values(results, "ema/val/", tuple(headline)))

@@ -148,6 +148,18 @@ class StopRequest:
     def local(self) -> bool:
         return self.signal_name is not None or self.stop_file.exists() or self.budget_spent()
 
+    def arrivals(self) -> Callable[[], bool]:
+        """A flag that is set once a request arrives after this call: a signal, the stop file appearing, the time
+        budget running out. A request already made does not set it (the final evaluation: job.train.loop.finish)."""
+        signals, filed, spent = self.signals_received, self.stop_file.exists(), self.budget_spent()
+
+        def arrived() -> bool:
+            if self.signals_received > signals:
+                return True
+            return (not filed and self.stop_file.exists()) or (not spent and self.budget_spent())
+
+        return arrived
+
     def reasons(self) -> list[bool]:
         """This rank's reasons to stop, one flag per ``job.cluster.stop.REASONS`` (agreed over the ranks with
         ``job.parallel.distributed.any_flags`` before the record is written)."""

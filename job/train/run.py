@@ -42,7 +42,7 @@ from job.tasks.contract import Bound
 from job.tasks.load import load_task
 from job.tasks.preflight import Checked, check_task
 from job.train import debug, early_stop
-from job.train.evaluate import Evaluator
+from job.train.evaluate import Evaluator, StopPoll
 from job.train.loop import Run, train_loop
 from job.train.parts import Parts, build_parts
 from job.train.preempt import StopRequest, attempt_age_s
@@ -285,6 +285,7 @@ def build_run(
         cfg.log.every, plan.total_steps, plan.global_batch_size, parts.device, writer, observer, progress
     )
     evaluator = Evaluator(parts, cfg.train.eval_every, plan.total_steps, writer, observer.mark, env.is_main)
+    evaluator.poll = StopPoll(stop.local, rt.control_group)  # a stop request ends an evaluation at a batch boundary
     batches = parts.loaders.batches(state)
     cleanup.callback(batches.close)  # ends the data pipeline's threads (job.data.decode_ahead) on every exit
     vote = distributed.StepFlagVote(rt)
