@@ -189,7 +189,7 @@ def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
             "--run.name",
             "ok",
         ],
-        env=base_env(tmp_path),
+        env=base_env(tmp_path, DDP_JOB_NOTICE_S="0.000001"),  # a notice no save fits in: the doctor warns
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -221,6 +221,14 @@ def test_healthy_two_process_torchrun(tmp_path: Path, data: Path) -> None:
         "memory",
     ):
         assert status[name] == "PASS", (name, r.stdout)
+    notice = next(c for c in report["checks"] if c["name"] == "stop.notice")
+    assert notice["status"] == "WARN" and notice["data"]["notice_s"] == 1e-6 and notice["data"]["save_s"] > 1e-6
+    assert re.search(
+        r"^WARN stop\.notice +a checkpoint save takes about .* the stop notice is 1e-06 s \(DDP_JOB_NOTICE_S\)",
+        r.stdout,
+        re.M,
+    )
+    assert "terminationGracePeriodSeconds" in notice["fix"] and "--signal" in notice["fix"], notice
     mem = next(c for c in report["checks"] if c["name"] == "memory")["data"]  # job.parallel.memory's estimates
     assert mem["fsdp"]["world_size"] == 2 and mem["fsdp"]["optimizer"] < mem["ddp"]["optimizer"]
     assert mem["ddp"]["activations"] > 0 and mem["capacity_bytes"] > 0

@@ -204,6 +204,10 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     "missing-runtime": (lambda d: d.remove(_doc(d, "TrainingRuntime")), "is not in the rendered manifests"),
     "runtime-pet-env": (_node_env("PET_MASTER_PORT", "1"), "env ['PET_MASTER_PORT']"),
     "grace-too-short": (_rt(f"{POD}/terminationGracePeriodSeconds", 60), "terminationGracePeriodSeconds=60"),
+    "notice-not-the-grace": (
+        _rt(f"{POD}/terminationGracePeriodSeconds", 200),
+        "env DDP_JOB_NOTICE_S='120' must equal terminationGracePeriodSeconds=200",
+    ),
     "agent-default-shutdown": (
         lambda d: (_node_env(kv.SHUTDOWN_ENV, "30")(d), _rt(f"{POD}/terminationGracePeriodSeconds", 30)(d)),
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30 + 10",

@@ -181,6 +181,10 @@ MUTATIONS: dict[str, tuple[Callable[[list[dict]], None], str]] = {
     ),
     "user-master-addr": (_env("MASTER_ADDR", "x"), "overridden by the operator"),
     "grace-below-agent-shutdown": (_set(f"{M}/template/spec/terminationGracePeriodSeconds", 60), "must be >= TORCH"),
+    "notice-not-the-grace": (
+        _set(f"{M}/template/spec/terminationGracePeriodSeconds", 200),
+        "env DDP_JOB_NOTICE_S='120' must equal terminationGracePeriodSeconds=200",
+    ),
     "agent-default-shutdown": (
         lambda d: _c(d).__setitem__("env", [e for e in _c(d)["env"] if e["name"] != kv.SHUTDOWN_ENV]),
         "env TORCH_ELASTIC_SHUTDOWN_TIMEOUT is unset",

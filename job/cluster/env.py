@@ -726,3 +726,11 @@ def launcher_notice_s(environ: Mapping[str, str]) -> float:
             value=raw,
         )
     return notice
+
+
+def stop_notice_s(grace_s: float, environ: Mapping[str, str]) -> tuple[float, str]:
+    """The stop notice a save must fit in and where it comes from: ``grace_s`` (``ckpt.grace_s``) where set, else
+    what the launcher states (0: unknown)."""
+    if grace_s:
+        return grace_s, "ckpt.grace_s"
+    return launcher_notice_s(environ), NOTICE_VAR

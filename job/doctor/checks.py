@@ -13,13 +13,13 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from job.checkpoint import store as ckpt
-from job.cluster.env import DistEnv
+from job.cluster.env import NOTICE_VAR, DistEnv, stop_notice_s
 from job.config import DataConfig, JobConfig
 from job.errors import BadInput
 from job.parallel import memory
@@ -318,6 +318,76 @@ def check_space(run_dir: Path, existing: Path, ckpt_bytes: int, keep_last: int) 
     fix = "free space, point run.output_dir elsewhere, or lower ckpt.keep_last"
     status = FAIL if free < need else (WARN if free < 2 * need else PASS)
     return Check("storage.space", status, text, fix if status != PASS else "", data)
+
+
+SAVE_PROBE_BYTES = 64 * 2**20
+"""The most ``ddp-job doctor`` writes to time the run directory's storage; a bigger checkpoint's write time is
+extrapolated from it."""
+NOTICE_FIX = (
+    "give the stop a longer notice (Slurm: the --signal lead time of slurm/train.sbatch; Kubernetes: "
+    "terminationGracePeriodSeconds and the DDP_JOB_NOTICE_S beside it, TORCH_ELASTIC_SHUTDOWN_TIMEOUT below it), "
+    "put run.output_dir on faster storage, or stop before a time limit with train.max_time"
+)
+
+
+def time_write(directory: Path, nbytes: int) -> float:
+    """Seconds to write and fsync ``nbytes`` of random bytes (incompressible, as weights are) into a new file in
+    ``directory``; the file is removed afterwards."""
+    chunk = os.urandom(min(nbytes, 2**20))
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".ddp-job-save-probe-") as f:
+        t0 = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            left -= f.write(chunk[:left])
+        f.flush()
+        os.fsync(f.fileno())
+        return time.perf_counter() - t0
+
+
+def measured_save_s(directory: Path, ckpt_bytes: int, probe_bytes: int = SAVE_PROBE_BYTES) -> tuple[float, str]:
+    """(seconds, how it was measured): the time one process takes to write a checkpoint of ``ckpt_bytes`` into
+    ``directory``, timed on at most ``probe_bytes`` and scaled linearly (a lower bound of a real save, which also
+    gathers and serialises the state)."""
+    probe = max(1, min(ckpt_bytes, probe_bytes))
+    seconds = time_write(directory, probe) * ckpt_bytes / probe
+    mib = 2**20
+    how = f"writing its {ckpt_bytes / mib:.1f} MiB from one process, timed now on {probe / mib:.1f} MiB"
+    return seconds, how
+
+
+def check_stop_notice(save_s: float, how: str, notice_s: float, source: str) -> Check:
+    """Whether a stop save fits in the launcher's notice (the seconds from its stop signal to its hard kill): a
+    WARN naming both numbers and the fix when it does not, since a preemption then loses the work since the newest
+    periodic save. ``how``: where ``save_s`` comes from; ``source``: where ``notice_s`` does (0: none stated)."""
+    data = {"save_s": save_s, "notice_s": notice_s, "source": source}
+    if not notice_s:
+        return Check(
+            "stop.notice",
+            PASS,
+            f"no stop notice stated ({NOTICE_VAR} unset, ckpt.grace_s 0): nothing to compare",
+            data=data,
+        )
+    text = f"a checkpoint save takes about {save_s:.2f} s ({how}); the stop notice is {notice_s:g} s ({source})"
+    if save_s >= notice_s:
+        text += ": a stop save does not fit, so a preemption loses the work since the newest periodic save"
+        return Check("stop.notice", WARN, text, NOTICE_FIX, data)
+    return Check("stop.notice", PASS, text, data=data)
+
+
+def check_notice(cfg: JobConfig, environ: Mapping[str, str], directory: Path, ckpt_bytes: int) -> Check:
+    """``check_stop_notice`` for this job: its notice (``ckpt.grace_s``, else the launcher's ``DDP_JOB_NOTICE_S``)
+    and a save timed now in ``directory`` (only when a notice is stated)."""
+    try:
+        notice_s, source = stop_notice_s(cfg.ckpt.grace_s, environ)
+    except BadInput as e:
+        return Check("stop.notice", FAIL, e.what, e.fix)
+    if not notice_s:
+        return check_stop_notice(0.0, "", 0.0, source)
+    try:
+        save_s, how = measured_save_s(directory, ckpt_bytes)
+    except OSError as e:
+        return Check("stop.notice", WARN, f"could not time a write in {directory} ({e.strerror})", NOTICE_FIX)
+    return check_stop_notice(save_s, how, notice_s, source)
 
 
 def check_data(cfg: JobConfig, describe_data: Callable[[DataConfig], str]) -> Check:

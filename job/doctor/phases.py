@@ -4,7 +4,8 @@ Runs under any launcher exactly like ``train`` (same ``load_config``, same ``det
 ``distributed.setup``), in three phases:
 
 1. local checks on every rank (topology: GPUs, their peer access and NUMA placement; versions, /dev/shm,
-   storage, data) and the rendezvous endpoint, checked *before* ``init_process_group`` (which would block on
+   storage, data; ``ddp-job doctor`` only, on rank 0: a checkpoint's write timed against the launcher's stop
+   notice) and the rendezvous endpoint, checked *before* ``init_process_group`` (which would block on
    a dead endpoint for the whole init timeout);
 2. the process group, then one ``all_gather_object`` of every rank's facts: ranks unique and consistent
    with the launcher's layout, the same config hash and library versions everywhere;
@@ -116,7 +117,10 @@ def local_checks(
         except BadInput as e:
             checks.append(Check("config.model", FAIL, e.what, e.fix))
             ckpt_bytes = 0
-        checks += dc.check_run_dir(cfg.run_dir, ckpt_bytes, cfg.ckpt.keep_last, create=full)
+        storage = dc.check_run_dir(cfg.run_dir, ckpt_bytes, cfg.ckpt.keep_last, create=full)
+        checks += storage
+        if full and ckpt_bytes and storage[0].status != FAIL:  # a save timed where the run saves
+            checks.append(dc.check_notice(cfg, environ, cfg.run_dir, ckpt_bytes))
     if full and env.local_rank == 0:  # train's own preflight already validates the data
         checks.append(dc.check_data(cfg, lambda _data: probes.describe_data(cfg)))
     if env.local_rank == 0:  # one process per node: each node's devices alike

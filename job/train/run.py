@@ -27,7 +27,7 @@ from job.checkpoint.resume import check_resumable, find_resume, older_than, sett
 from job.checkpoint.sharded import Sharded
 from job.checkpoint.states import Layout, OptimizerState, Progress, RngStates, Schedule, States
 from job.cluster import gpu
-from job.cluster.env import NOTICE_VAR, DistEnv, detect_env, interruptions, launcher_notice_s
+from job.cluster.env import DistEnv, detect_env, interruptions, stop_notice_s
 from job.cluster.stop import clear_record
 from job.config import JobConfig, config_to_dict, dump_config, load_config
 from job.config.load import run_and_attempt
@@ -416,9 +416,7 @@ def _cadence(cfg: JobConfig, rt: distributed.Runtime, writer: metrics.NullWriter
 def grace(cfg: JobConfig) -> tuple[float, str]:
     """The stop notice a save must fit in and where it comes from: ``ckpt.grace_s`` where set, else what the
     launcher states (0: unknown)."""
-    if cfg.ckpt.grace_s:
-        return cfg.ckpt.grace_s, "ckpt.grace_s"
-    return launcher_notice_s(os.environ), NOTICE_VAR
+    return stop_notice_s(cfg.ckpt.grace_s, os.environ)
 
 
 def _progress(cfg: JobConfig, env: DistEnv, start: int, total: int) -> Any:

@@ -26,6 +26,7 @@ import kubernetes_validate.utils as kvu
 import yaml
 from referencing import Registry, Resource
 
+from job.cluster.env import NOTICE_VAR
 from support.ci import kubectl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -312,6 +313,12 @@ def grace_errors(pod: dict, c: dict) -> list[str]:
         return [
             f"terminationGracePeriodSeconds={grace} must be >= {SHUTDOWN_ENV}={shutdown} + {GRACE_MARGIN_S}: "
             "the kubelet would kill the pod while the trainers still save (docs/kubernetes.md)"
+        ]
+    notice = _env(c).get(NOTICE_VAR)
+    if notice != str(grace):
+        return [
+            f"env {NOTICE_VAR}={notice!r} must equal terminationGracePeriodSeconds={grace}: it states the pod's "
+            "stop notice to the job (ddp-job doctor, ckpt.every auto), which the downward API cannot expose"
         ]
     return []
 
