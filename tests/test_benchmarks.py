@@ -612,3 +612,20 @@ def test_benchmark_children_keep_packages_installed_beside_the_checkout(tmp_path
     assert r.returncode == 0, r.stderr[-2000:]
     where, found = r.stdout.split()
     assert Path(where).is_relative_to(ROOT / "job") and found == "site", r.stdout
+
+
+def test_stop_latency_quick_times_a_stop_as_the_sum_of_its_parts(tmp_path):
+    """One 2-process run signalled at a random moment of its training: it stops with a save (143), or had just
+    finished (0). A stop's latency is the signal-to-exit time, which its parts (until the stop save, the save, the
+    exit) add up to exactly; its step time is the run's own and its saved step one it trained (the last one too:
+    a signal during the final evaluation saves the last step)."""
+    out = bench(tmp_path, "stop-latency")
+    (t,) = out["per_trial"]
+    assert out["trials"] == 1 and t["exit_code"] in (0, 143) and out["training_time_s"] > 0
+    assert out["stopped"] == (t["exit_code"] == 143) and out["finished"] == (t["exit_code"] == 0)
+    assert 0 <= t["delay_s"] <= out["training_time_s"] and t["step_s"] > 0 and t["latency_s"] > 0
+    if t["exit_code"] == 143:
+        assert 1 <= t["stopped_step"] <= out["config"]["steps"] and t["save_s"] > 0
+        assert math.isclose(t["until_save_s"] + t["save_s"] + t["exit_s"], t["latency_s"], rel_tol=1e-9)
+        assert close(t["bound_s"], 2 * t["step_s"] + t["save_s"])
+        assert out["latency_s"]["median"] == t["latency_s"]

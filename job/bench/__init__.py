@@ -25,6 +25,7 @@ NAMES = {
     "memory": "ddp vs fsdp (and hsdp) at 1, 2, 4 processes: state and peak memory per rank, estimate, step ratio",
     "traffic": "bytes sent per step within a node and across nodes, ddp/fsdp/hsdp: traffic_worker counts vs formulas",
     "crops": "the device decode path's batched crop vs per-image kernels and roi_align: pixels and ms",
+    "stop-latency": "SIGTERM to ddp-job launch at a random moment: time to exit vs step and save time, 2 processes",
 }
 USAGE = "usage: ddp-job bench NAME [--quick] [options]\n\n" + "".join(f"  {k:<12} {v}\n" for k, v in NAMES.items())
 
