@@ -194,6 +194,16 @@ class CorruptCheckpointError(CheckpointLoadError):
         self.path, self.found = path, list(found)
 
 
+class EvaluationStopped(Exception):
+    """The ranks agreed to stop between two validation batches (``job.train.evaluate``): the evaluation so far is
+    discarded, and the training loop goes on to the stop save. Control flow, never an exit code."""
+
+    def __init__(self, batches: int) -> None:
+        super().__init__(f"evaluation stopped after {batches} batch(es)")
+        self.batches = batches
+        """The batches this rank had evaluated when the ranks agreed to stop."""
+
+
 class CorruptShards(Exception):
     """Items (or ``.metadata``) of a sharded checkpoint that do not match their sha256, as every rank agreed
     while reading (``job.checkpoint.verified``); the loader turns it into ``CorruptCheckpointError``."""

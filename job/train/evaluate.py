@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from job.errors import EvaluationStopped
 from job.observe.metrics import NullWriter
 from job.observe.observer import no_mark
 from job.parallel import distributed, fsdp
@@ -38,15 +39,6 @@ class StopPoll:
     group: dist.ProcessGroup | None
     """The CPU group the vote runs on (job.parallel.distributed.Runtime.control_group; None: the default group,
     gloo when there is no separate control group)."""
-
-
-class EvaluationStopped(Exception):
-    """The ranks agreed to stop between two validation batches: the evaluation so far is discarded."""
-
-    def __init__(self, batches: int) -> None:
-        super().__init__(f"evaluation stopped after {batches} batch(es)")
-        self.batches = batches
-        """The batches this rank had evaluated when the ranks agreed to stop."""
 
 
 @torch.no_grad()

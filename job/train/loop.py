@@ -13,7 +13,7 @@ from job.cluster import stop as stop_protocol
 from job.cluster.env import DistEnv
 from job.config import JobConfig, config_to_dict
 from job.config.plan import Plan
-from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, FailedAfterStart
+from job.errors import EXIT_OK, EXIT_PREEMPTED, BadInput, EvaluationStopped, FailedAfterStart
 from job.observe.metrics import NullWriter, TrainLog, hparams
 from job.observe.report import NullReporter, Pace, reported_metrics
 from job.observe.status import COMPLETED, Status
@@ -21,7 +21,7 @@ from job.observe.status import EARLY_STOP as EARLY_STOP_REASON
 from job.observe.watchdog import Watchdog
 from job.parallel import ddp, distributed
 from job.train.early_stop import EarlyStop
-from job.train.evaluate import EvaluationStopped, Evaluator, StopPoll, metric_values
+from job.train.evaluate import Evaluator, StopPoll, metric_values
 from job.train.parts import Parts
 from job.train.preempt import StopRequest
 from job.train.step import TrainState, train_step
