@@ -308,7 +308,9 @@ def test_group_signal_while_loader_workers_start_saves_and_exits_143(
     _, m = job.wait_for(r"\[rank 0/2\] INFO stop requested \(signal SIGTERM, [^)]*\): saving at step (\d+)")
     step = int(m[1])
     if loader == "val":
-        assert step == 4, "signalled during the evaluation after step 3: the next step it starts is the stop step"
+        # Signalled as the evaluation after step 3 starts: the evaluation stops at a batch boundary and step 3 is
+        # saved; when the signal lands after the evaluation's last batch began, step 4 is the stop step.
+        assert step in (3, 4), step
     assert sorted(int(p.name[5:]) for p in (out / "r").glob("step-???????")) == [step]
 
 
