@@ -158,3 +158,21 @@ def test_activations_counted_on_the_meta_model_equal_those_of_the_cpu_model() ->
     on_cpu = saved("cpu")
     assert on_cpu > 0
     assert on_cpu <= saved("meta") <= 1.1 * on_cpu
+
+
+MEMINFO = "MemTotal:       24683772 kB\nMemFree:         1000000 kB\nMemAvailable:     250000 kB\n"
+
+
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [
+        (None, 24683772 * 1024),  # no cgroup file
+        ("max\n", 24683772 * 1024),  # cgroup v2 without a limit
+        ("9223372036854771712\n", 24683772 * 1024),  # cgroup v1's "no limit"
+        ("4294967296\n", 4 << 30),  # a container's or a Slurm job's limit
+    ],
+)
+def test_a_cpu_device_holds_the_hosts_memory_not_what_is_free_this_moment(limit: str | None, expected: int) -> None:
+    """MemAvailable (250 MB here) is a moment's reading on a shared host: a busy neighbour must not make a run
+    that fits the host exit 2. The total, bounded by the cgroup's limit, is what the run's processes share."""
+    assert memory.host_memory_bytes(MEMINFO, limit) == expected

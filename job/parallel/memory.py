@@ -235,41 +235,51 @@ def require_fits(strategy: str, ddp: MemoryEstimate, fsdp: MemoryEstimate, capac
     )
 
 
-def _cgroup_free(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """What the container's memory limit leaves (cgroup v2), None without a limit."""
-    try:
-        limit = (root / "memory.max").read_text().strip()
-        used = int((root / "memory.current").read_text())
-    except (OSError, ValueError):
-        return None
-    if limit == "max":
-        return None
-    return int(limit) - used
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+"""The memory limit of the container or job this process runs in: cgroup v2, then v1 (the mount's root is the
+container's own cgroup under a cgroup namespace)."""
 
 
-def _available_ram() -> int:
-    """MemAvailable of /proc/meminfo, bounded by the cgroup's limit."""
-    free = None
+def host_memory_bytes(meminfo: str, cgroup_limit: str | None) -> int:
+    """What a CPU run's processes may share: MemTotal of ``meminfo`` (/proc/meminfo's text), bounded by the
+    cgroup's memory limit (its file's text: a byte count, or ``max`` for none).
+
+    The total, not MemAvailable: available memory is a moment's reading on a shared host (page cache, another
+    job's peak), and a run that fits the host must not be refused because something else held memory just then.
+    """
+    total = 0
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            total = int(line.split()[1]) * 1024
+    if cgroup_limit is not None and cgroup_limit.strip().isdigit():
+        limit = int(cgroup_limit.strip())
+        if total == 0 or limit < total:  # v1 writes "no limit" as a huge number
+            total = limit
+    return total
+
+
+def _read(path: Path) -> str | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                free = int(line.split()[1]) * 1024
+        return path.read_text()
     except OSError:
-        pass
-    if free is None:
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    limit = _cgroup_free()
-    if limit is not None:
-        free = min(free, limit)
-    return free
+        return None
+
+
+def _host_memory() -> int:
+    limit = next((text for text in map(_read, CGROUP_LIMITS) if text is not None), None)
+    found = host_memory_bytes(_read(Path("/proc/meminfo")) or "", limit)
+    if found == 0:
+        found = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return found
 
 
 def capacity_bytes(device: torch.device, local_world_size: int) -> int:
-    """What one process may use: its GPU's free memory, or the node's available RAM shared by its processes."""
+    """What one process may use: its GPU's free memory, or the node's memory (job.parallel.memory.host_memory_bytes)
+    shared by its processes."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    return _available_ram() // max(local_world_size, 1)
+    return _host_memory() // max(local_world_size, 1)
 
 
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
