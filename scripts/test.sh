@@ -47,6 +47,6 @@ echo "test.sh: ruff check, ruff format --check, mypy" >&2
 .venv/bin/ruff check --quiet .
 .venv/bin/ruff format --check --quiet .
 .venv/bin/mypy
-# Three workers, one test file each (the 30 slowest tests are listed at the end): the Slurm, podman and netns files mostly wait on services and
-# subprocesses, so they overlap well with the CPU-bound torchrun tests (22 min instead of ~55 serially).
-exec .venv/bin/python -m pytest -n 3 --dist loadfile --durations=30 "$@"
+# Three workers, one test file each, handed out in tests/conftest.py's order (SLOW_FIRST: xdist would otherwise
+# sort the files by their number of tests). The 30 slowest tests are listed at the end.
+exec .venv/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=30 "$@"

@@ -9,20 +9,35 @@ from support.cli import make_data
 
 from job.bench import crops as crops_bench
 
-# The files that take longest (minutes each: an image build, clusters, multi-process chains), started first:
-# `pytest -n 3 --dist loadfile` hands files to workers in collection order, and a long file handed out last
-# keeps one worker busy after the others are done.
+# The files that take longest, longest first (their wall times in a full run of the suite; the image file's
+# includes its podman build), then the rest in collection order. `pytest -n 3 --dist loadfile
+# --no-loadscope-reorder` (scripts/test.sh) hands files to workers in this order; a long file handed out last
+# keeps one worker busy after the others are done. Without --no-loadscope-reorder xdist sorts the files by
+# their number of tests instead, and the image build started in the last third of the run.
 SLOW_FIRST = (
     "test_image.py",
     "test_k8s_trainjob_sim.py",
+    "test_benchmarks.py",
     "test_slurm.py",
-    "test_hsdp.py",
     "test_k8s_sim.py",
+    "test_train.py",
     "test_fsdp.py",
-    "test_third_party_text.py",
-    "test_third_party_vision.py",
-    "test_trackers.py",
     "test_faults.py",
+    "test_tasks.py",
+    "test_hsdp.py",
+    "test_stop.py",
+    "test_third_party_vision.py",
+    "test_third_party_text.py",
+    "test_observe.py",
+    "test_dcp.py",
+    "test_step.py",
+    "test_parallel.py",
+    "test_launch.py",
+    "test_report.py",
+    "test_usercode_train.py",
+    "test_task_contract.py",
+    "test_trackers.py",
+    "test_cadence_train.py",
 )
 
 

@@ -442,19 +442,21 @@ def _wait_pid1(sim: ts.TrainJobSimulation, name: str, marker: bytes) -> int:
 
 SINK = "trainjob status"  # the sink's name in the reporter's log lines
 CKPT_EVERY = 5
-FAULT_STEPS = 160  # with rank 0's 0.5 s per step, room for four faults and their recoveries at 5 s a report
+FAULT_STEPS = 80  # with rank 0's 1 s per step, room for four faults and their recoveries at 5 s a report
+FAULT_STEP_S = 1.0  # slower steps, not more of them: the run lasts as long for a quarter of the CPU
 
 
-def _progress_docs(steps: int) -> list[dict]:
-    """cpu-smoke long enough for several reports: ``steps`` steps with rank 0 slowed by 0.5 s each (a testing
-    aid: the reports' pace is the throttle's, not the CPU's), a status every step, a checkpoint every 5."""
+def _progress_docs(steps: int, step_s: float = RUNWAY["straggler_delay_s"], ckpt_every: int = CKPT_EVERY) -> list[dict]:
+    """cpu-smoke long enough for several reports: ``steps`` steps with rank 0 slowed by ``step_s`` each (a testing
+    aid: the reports' pace is the throttle's, not the CPU's), a status every step, a checkpoint every
+    ``ckpt_every``."""
     docs = kv.render(OVERLAYS / "cpu-smoke")
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
     cfg = yaml.safe_load(cm["data"]["job.yaml"])
     cfg["train"]["steps"] = steps
     cfg["log"]["every"] = 1
-    cfg["ckpt"]["every"] = CKPT_EVERY
-    cfg["debug"] = {**RUNWAY, "straggler_steps": list(range(1, steps + 1))}
+    cfg["ckpt"]["every"] = ckpt_every
+    cfg["debug"] = {**RUNWAY, "straggler_delay_s": step_s, "straggler_steps": list(range(1, steps + 1))}
     cm["data"]["job.yaml"] = yaml.safe_dump(cfg)
     return docs
 
@@ -530,7 +532,9 @@ def test_run_goes_on_when_the_endpoint_fails(tmp_path: Path) -> None:
     (connections refused), then answering after the client's timeout, then answering 500, then the token file
     removed. Each failure is logged with its reason, reports resume once it is cleared, and the run finishes
     (exit 0, FINAL line)."""
-    with ts.TrainJobSimulation(_progress_docs(FAULT_STEPS), tmp_path, trainjob_status=True) as sim:
+    with ts.TrainJobSimulation(
+        _progress_docs(FAULT_STEPS, FAULT_STEP_S, ckpt_every=20), tmp_path, trainjob_status=True
+    ) as sim:
         server = sim.status_server
         assert server is not None
         server.down()
