@@ -26,12 +26,14 @@ import torch
 from support.cli import run_cli, torchrun, user_code_env
 from support.lm import make_corpus
 from support.runs import assert_bitwise_equal, load_final_state
+from support.tolerance import adamw_tolerance
 
 from job.errors import BadInput
 
 STEPS = 6
 GLOBAL = 16  # micro 2: grad_accum_steps 4 at 2 processes, 8 at 1, 2 at 4
 OPTIONS = {"seq_len": 32, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.0}
+TERMS = GLOBAL * 32 * 4 * 32  # windows x tokens x the MLP's fan-in of 4 x n_embd feed one gradient element
 
 
 def train_args(out: Path, corpus: Path, name: str, *extra: str) -> list[str]:
@@ -43,6 +45,7 @@ def train_args(out: Path, corpus: Path, name: str, *extra: str) -> list[str]:
         *("--sched.name", "cosine", "--sched.warmup-steps", "2", "--train.grad-clip-norm", "0.5"),
         *("--train.steps", str(STEPS), "--train.global-batch-size", str(GLOBAL), "--train.micro-batch-size", "2"),
         *("--ckpt.every", "1", "--ckpt.keep-last", "5", "--log.every", "1", "--log.tensorboard", "false"),
+        *("--log.jsonl", "true"),  # train/lr of every step: support.tolerance.adamw_tolerance
         *("--ema.enabled", "true", "--ema.decay", "0.5", "--debug.nan-at-steps", "[3]"),
         *extra,
     ]
@@ -139,8 +142,12 @@ def test_fsdp_ends_within_fp32_tolerance_of_ddp(runs: dict[str, Any], tmp_path: 
     diff = max_diff(ddp_state["model"], fsdp["model"])
     ddp_ema = {k.removeprefix("module."): v for k, v in ddp_state["ema"].items() if k.startswith("module.")}
     ema_diff = max_diff(ddp_ema, fsdp["ema"]["module"])
-    print(f"\nmax |param diff| FSDP vs DDP, 2 processes, fp32, {STEPS} steps: {diff:.3g} (EMA {ema_diff:.3g})")
-    assert diff <= 1e-5 and ema_diff <= 1e-5
+    tol = adamw_tolerance([out / "ddp", out / "fsdp"], TERMS)  # the EMA averages parameters within it
+    print(
+        f"\nmax |param diff| FSDP vs DDP, 2 processes, fp32, {STEPS} steps: {diff:.3g} (EMA {ema_diff:.3g}; "
+        f"tolerance {tol:.3g})"
+    )
+    assert diff <= tol and ema_diff <= tol
     assert int(fsdp["ema"]["n_averaged"]) == int(ddp_state["ema"]["n_averaged"]) == STEPS
     assert load_final_state(out / "fsdp")["trainer"]["nonfinite_skips"] == ddp_state["trainer"]["nonfinite_skips"] == 1
     start = load_final_state(out / "ddp")  # the final state; step 2's parameters are far from it
@@ -231,8 +238,9 @@ def test_resume_two_to_one_to_four_sees_every_sample_as_often(runs: dict[str, An
     assert sum(whole.values()) == STEPS * GLOBAL
     assert chain == whole
     diff = max_diff(shards(newest(out / "fsdp"), tmp_path)["model"], shards(newest(out / "four"), tmp_path)["model"])
-    print(f"max |param diff| 2->1->4 vs uninterrupted: {diff:.3g}")
-    assert diff <= 1e-5
+    tol = adamw_tolerance([out / name for name in ("fsdp", "one", "four")], TERMS)
+    print(f"max |param diff| 2->1->4 vs uninterrupted: {diff:.3g} (tolerance {tol:.3g})")
+    assert diff <= tol
     assert "world size changed" in runs["logs"]["four"]
 
 
@@ -248,8 +256,12 @@ def test_compiled_and_checkpointed_units_train_what_eager_fsdp_does(runs: dict[s
     want, got = shards(newest(out / "fsdp"), tmp_path), shards(newest(out / "compiled"), tmp_path)
     assert want["model"].keys() == got["model"].keys() and want["optimizer"].keys() == got["optimizer"].keys()
     diff, ema_diff = max_diff(want["model"], got["model"]), max_diff(want["ema"]["module"], got["ema"]["module"])
-    print(f"\nmax |param diff| compiled + activation checkpointing vs eager fsdp: {diff:.3g} (EMA {ema_diff:.3g})")
-    assert diff <= 1e-5 and ema_diff <= 1e-5
+    tol = adamw_tolerance([out / "fsdp", out / "compiled"], TERMS)
+    print(
+        f"\nmax |param diff| compiled + activation checkpointing vs eager fsdp: {diff:.3g} (EMA {ema_diff:.3g}; "
+        f"tolerance {tol:.3g})"
+    )
+    assert diff <= tol and ema_diff <= tol
     assert load_final_state(out / "compiled")["trainer"]["nonfinite_skips"] == 1
 
 

@@ -15,6 +15,12 @@ computation, not from one machine's result, so it holds on any CPU's kernels:
   the steps: the bound is proportional to the path the parameters travel, read from the run's own
   ``metrics.jsonl`` (``train/lr`` and ``train/grad_norm`` of every step: run with ``--log.jsonl true --log.every 1``).
 
+AdamW (``adamw_tolerance``) normalises each update by the gradient's running magnitude, so the path is not
+``lr * |v|`` but ``lr * |m / sqrt(v)|``, and a relative error ``r`` of the gradients moves that ratio by at most
+``2 * r * kappa_t`` (below). It holds for the elements whose gradient is not a cancellation below the rounding noise:
+Adam's update of such an element keeps its size and may take either sign, which no bound on the order of sums
+covers (an exactly zero gradient, an embedding row no item used, stays zero in both runs).
+
 A real bug (a sample lost or counted twice, a missing average, a double accumulation) moves a parameter by a
 part of a whole update, many times this bound: the tests that use it also check that.
 """
@@ -69,3 +75,30 @@ def summation_order_tolerance(
     path = max(update_path(step_records(run), momentum, weight_decay, param_norm) for run in runs)
     # Each run is off the exact result by up to the bound, so the two are off each other by twice it.
     return 2 * SIGMAS * math.sqrt(terms) * UNIT_ROUNDOFF * path
+
+
+def adam_kappa(step: int, betas: tuple[float, float]) -> float:
+    """The largest ``|m_hat| / sqrt(v_hat)`` of Adam's ``step``-th update, and the factor by which a relative error of
+    the gradients moves it: ``sqrt(sum_i w_i**2 / w'_i)`` over the steps so far, with ``w`` and ``w'`` the
+    bias-corrected weights of the first and second moments (Cauchy-Schwarz). 1 at the first step; it grows towards
+    ``(1 - beta1) / sqrt((1 - beta2) * (1 - beta1**2 / beta2))``, 7.3 for the default betas, in long runs."""
+    beta1, beta2 = betas
+    total = 0.0
+    for i in range(1, step + 1):
+        w1 = (1 - beta1) * beta1 ** (step - i) / (1 - beta1**step)
+        w2 = (1 - beta2) * beta2 ** (step - i) / (1 - beta2**step)
+        total += w1 * w1 / w2
+    return math.sqrt(total)
+
+
+def adamw_tolerance(runs: list[Path], terms: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+    """The largest difference rounding alone may leave between the final parameters of AdamW ``runs`` that differ
+    in their order of summation only (clipping included: the norm's own error doubles ``r``). Decoupled weight
+    decay scales both runs' parameters alike, shrinking their difference, and is left out."""
+    rel = 2 * SIGMAS * math.sqrt(terms) * UNIT_ROUNDOFF
+    path = 0.0
+    for run in runs:
+        records = step_records(run)
+        # A skipped (non-finite) step still counts: kappa grows with the step, so this over-estimates.
+        path = max(path, sum(r["train/lr"] * 2 * rel * adam_kappa(int(r["step"]), betas) for r in records))
+    return 2 * path
