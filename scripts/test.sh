@@ -27,6 +27,7 @@ missing_packages() {
 }
 
 mapfile -t missing < <(missing_packages)
+podman_setup=""
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   if [ ${#missing[@]} -gt 0 ]; then
     echo "test.sh: apt-get install ${missing[*]}" >&2
@@ -40,13 +41,16 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   # wheels: the disk), which it does not touch: a minute less on a fresh machine.
   bash tests/infra/podman-setup.sh >/dev/null &
   podman_setup=$!
+  # A failure of the venv's install ends this script: end the setup beside it too, not leave it holding the log.
+  trap 'kill "$podman_setup" 2>/dev/null || true' EXIT
 else
   echo "test.sh: not root or no apt-get: installing no system packages (Slurm and podman: tests/infra/*.sh;" \
        "missing tools: ${missing[*]:-none}). The tests that need them skip (fail under CI=true)." >&2
 fi
 scripts/setup.sh dev,bench  # bench: Lightning, the reference of the overhead benchmark
-if [ -n "${podman_setup:-}" ]; then
+if [ -n "$podman_setup" ]; then
   wait "$podman_setup" || { echo "test.sh: tests/infra/podman-setup.sh failed (its output is above)" >&2; exit 1; }
+  trap - EXIT
 fi
 # Lint, format and types first (seconds; configured in pyproject.toml): a finding fails CI like a failing test.
 echo "test.sh: ruff check, ruff format --check, mypy" >&2

@@ -473,7 +473,7 @@ def test_sync_modes_quick_counts_bytes_of_a_ring_and_a_server(tmp_path):
     from job.bench.sync_modes import ring_ideal
 
     # N = 3 alone (the bench's --quick default is 2,3): the ring's 2(N-1)/N = 4/3 and the server's N = 3 gradients
-    # per step are counts no formula of another shape gives; N = 2 would add two launches of 3 and 4 processes.
+    # per step are counts no formula of another shape gives; N = 2 would add two launches of 2 and 3 processes.
     out = bench(tmp_path, "sync-modes", "--sizes", "3")
     model = torchvision.models.resnet18(num_classes=10)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

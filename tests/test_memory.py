@@ -164,15 +164,39 @@ MEMINFO = "MemTotal:       24683772 kB\nMemFree:         1000000 kB\nMemAvailabl
 
 
 @pytest.mark.parametrize(
-    ("limit", "expected"),
+    ("limits", "expected"),
     [
-        (None, 24683772 * 1024),  # no cgroup file
-        ("max\n", 24683772 * 1024),  # cgroup v2 without a limit
-        ("9223372036854771712\n", 24683772 * 1024),  # cgroup v1's "no limit"
-        ("4294967296\n", 4 << 30),  # a container's or a Slurm job's limit
+        ([], 24683772 * 1024),  # no cgroup file
+        (["max\n"], 24683772 * 1024),  # cgroup v2 without a limit
+        (["9223372036854771712\n"], 24683772 * 1024),  # cgroup v1's "no limit"
+        (["max\n", "4294967296\n", "8589934592\n"], 4 << 30),  # the smallest limit on the path
     ],
 )
-def test_a_cpu_device_holds_the_hosts_memory_not_what_is_free_this_moment(limit: str | None, expected: int) -> None:
+def test_a_cpu_device_holds_the_hosts_memory_not_what_is_free_this_moment(limits: list[str], expected: int) -> None:
     """MemAvailable (250 MB here) is a moment's reading on a shared host: a busy neighbour must not make a run
     that fits the host exit 2. The total, bounded by the cgroup's limit, is what the run's processes share."""
-    assert memory.host_memory_bytes(MEMINFO, limit) == expected
+    assert memory.host_memory_bytes(MEMINFO, limits) == expected
+
+
+def test_a_limit_set_on_a_cgroup_above_the_process_bounds_it(tmp_path: Path) -> None:
+    """A Slurm step (cgroup v2) sets its job's limit below the mount's root, and the process runs in a cgroup below
+    that: the limit files are the process's own cgroup's and each one's above it, up to the root."""
+    job = tmp_path / "system.slice" / "slurmstepd.scope" / "job_7"
+    (job / "step_0" / "user" / "task_0").mkdir(parents=True)
+    (job / "memory.max").write_text("8589934592\n")
+    (job / "step_0" / "memory.max").write_text("max\n")
+    v2 = "0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n"
+    files = memory.cgroup_limit_files(v2, tmp_path)
+    assert files[0] == job / "step_0" / "user" / "task_0" / "memory.max" and files[-1] == tmp_path / "memory.max"
+    limits = [f.read_text() for f in files if f.exists()]
+    assert memory.host_memory_bytes(MEMINFO, limits) == 8 << 30
+    v1 = "12:cpu,cpuacct:/slurm/uid_0/job_7\n4:memory:/slurm/uid_0/job_7/step_0\n0::/\n"
+    assert memory.cgroup_limit_files(v1, tmp_path) == [
+        tmp_path / "memory" / "slurm" / "uid_0" / "job_7" / "step_0" / "memory.limit_in_bytes",
+        tmp_path / "memory" / "slurm" / "uid_0" / "job_7" / "memory.limit_in_bytes",
+        tmp_path / "memory" / "slurm" / "uid_0" / "memory.limit_in_bytes",
+        tmp_path / "memory" / "slurm" / "memory.limit_in_bytes",
+        tmp_path / "memory" / "memory.limit_in_bytes",
+        tmp_path / "memory.max",  # the unified line of a hybrid layout
+    ]
+    assert memory.cgroup_limit_files("0::/\n", tmp_path) == [tmp_path / "memory.max"]  # a cgroup namespace

@@ -235,14 +235,31 @@ def require_fits(strategy: str, ddp: MemoryEstimate, fsdp: MemoryEstimate, capac
     )
 
 
-CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
-"""The memory limit of the container or job this process runs in: cgroup v2, then v1 (the mount's root is the
-container's own cgroup under a cgroup namespace)."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def host_memory_bytes(meminfo: str, cgroup_limit: str | None) -> int:
-    """What a CPU run's processes may share: MemTotal of ``meminfo`` (/proc/meminfo's text), bounded by the
-    cgroup's memory limit (its file's text: a byte count, or ``max`` for none).
+def cgroup_limit_files(proc_cgroup: str, root: Path = CGROUP_ROOT) -> list[Path]:
+    """The memory-limit files of this process's cgroup and of each cgroup above it, cgroup v2 and v1, from the text
+    of /proc/self/cgroup: a Slurm step or a Kubernetes pod sets its limit on a cgroup below the mount's root, and a
+    limit anywhere above the process bounds it. Under a cgroup namespace the process's path is ``/``."""
+    files: list[Path] = []
+    for line in proc_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        files += [base.joinpath(*parts[:depth], name) for depth in range(len(parts), -1, -1)]
+    return files
+
+
+def host_memory_bytes(meminfo: str, cgroup_limits: list[str]) -> int:
+    """What a CPU run's processes may share: MemTotal of ``meminfo`` (/proc/meminfo's text), bounded by the smallest
+    of ``cgroup_limits`` (the limit files' texts: a byte count, or ``max`` for none).
 
     The total, not MemAvailable: available memory is a moment's reading on a shared host (page cache, another
     job's peak), and a run that fits the host must not be refused because something else held memory just then.
@@ -251,10 +268,9 @@ def host_memory_bytes(meminfo: str, cgroup_limit: str | None) -> int:
     for line in meminfo.splitlines():
         if line.startswith("MemTotal:"):
             total = int(line.split()[1]) * 1024
-    if cgroup_limit is not None and cgroup_limit.strip().isdigit():
-        limit = int(cgroup_limit.strip())
-        if total == 0 or limit < total:  # v1 writes "no limit" as a huge number
-            total = limit
+    for text in cgroup_limits:
+        if text.strip().isdigit() and (total == 0 or int(text) < total):  # v1 writes "no limit" as a huge number
+            total = int(text)
     return total
 
 
@@ -266,8 +282,9 @@ def _read(path: Path) -> str | None:
 
 
 def _host_memory() -> int:
-    limit = next((text for text in map(_read, CGROUP_LIMITS) if text is not None), None)
-    found = host_memory_bytes(_read(Path("/proc/meminfo")) or "", limit)
+    files = cgroup_limit_files(_read(Path("/proc/self/cgroup")) or "")
+    limits = [text for text in map(_read, files) if text is not None]
+    found = host_memory_bytes(_read(Path("/proc/meminfo")) or "", limits)
     if found == 0:
         found = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return found

@@ -17,9 +17,10 @@ computation, not from one machine's result, so it holds on any CPU's kernels:
 
 AdamW (``adamw_tolerance``) normalises each update by the gradient's running magnitude, so the path is not
 ``lr * |v|`` but ``lr * |m / sqrt(v)|``, and a relative error ``r`` of the gradients moves that ratio by at most
-``2 * r * kappa_t`` (below). It holds for the elements whose gradient is not a cancellation below the rounding noise:
-Adam's update of such an element keeps its size and may take either sign, which no bound on the order of sums
-covers (an exactly zero gradient, an embedding row no item used, stays zero in both runs).
+``2 * r * kappa_t`` (below). ``r`` is relative to the sum of the magnitudes of a gradient's terms, so the bound
+holds for the elements whose gradient is of that size (a well-conditioned sum); one that cancels by a factor c gets
+c times it, and one that cancels below the rounding noise keeps Adam's update size with either sign, which no bound
+on the order of sums covers (an exactly zero gradient, an embedding row no item used, stays zero in both runs).
 
 A real bug (a sample lost or counted twice, a missing average, a double accumulation) moves a parameter by a
 part of a whole update, many times this bound: the tests that use it also check that.
@@ -48,15 +49,24 @@ def step_records(run_dir: Path) -> list[dict[str, float]]:
     return sorted(steps, key=lambda r: r["step"])
 
 
+def step_rates(records: list[dict[str, float]]) -> list[float]:
+    """An upper bound of the rate each record's step used. ``train/lr`` is logged after the scheduler stepped, so a
+    record holds the next step's rate and the step used the one before it: the larger of the two, and for the
+    first record (whose predecessor was not logged) the largest rate of the run."""
+    logged = [record["train/lr"] for record in records]
+    previous = [max(logged), *logged[:-1]]
+    return [max(a, b) for a, b in zip(previous, logged)]
+
+
 def update_path(
     records: list[dict[str, float]], momentum: float, weight_decay: float = 0.0, param_norm: float = 0.0
 ) -> float:
     """An upper bound of the sum over steps of one parameter's update, ``sum_t lr_t * |v_t|``."""
     velocity, path = 0.0, 0.0
-    for record in records:
+    for record, lr in zip(records, step_rates(records)):
         grad = record["train/grad_norm"] + weight_decay * param_norm
         velocity = momentum * velocity + grad
-        path += record["train/lr"] * velocity
+        path += lr * velocity
     return path
 
 
@@ -100,5 +110,6 @@ def adamw_tolerance(runs: list[Path], terms: int, betas: tuple[float, float] = (
     for run in runs:
         records = step_records(run)
         # A skipped (non-finite) step still counts: kappa grows with the step, so this over-estimates.
-        path = max(path, sum(r["train/lr"] * 2 * rel * adam_kappa(int(r["step"]), betas) for r in records))
+        rates = step_rates(records)
+        path = max(path, sum(lr * 2 * rel * adam_kappa(int(r["step"]), betas) for r, lr in zip(records, rates)))
     return 2 * path
