@@ -41,6 +41,23 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_data(tmp_path_factory.mktemp("observe-data") / "tiny")
 
 
+def used_rates(lr: float, warmup_steps: int, steps: int) -> list[float]:
+    """The rate each step of a warmup + cosine run uses, from the job's own scheduler on a stand-in optimizer."""
+    import torch
+
+    from job.config.schema import SchedConfig
+    from job.train.optim import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = build_scheduler(optimizer, SchedConfig(name="cosine", warmup_steps=warmup_steps), steps)
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
 def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -298,7 +315,7 @@ def test_metrics_jsonl_holds_one_record_per_log_step(tmp_path: Path, data: Path)
     for that step (TensorBoard keeps float32)."""
     run_dir = tmp_path / "runs" / "jsonl"
     args = run_args(data, run_dir, "--train.steps", "4", "--log.every", "2", "--train.eval-every", "2")
-    args += ["--log.jsonl", "true"]
+    args += ["--log.jsonl", "true", "--optim.lr", "0.1", "--sched.name", "cosine", "--sched.warmup-steps", "3"]
     r = torchrun(2, args, env=base_env(tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -306,6 +323,8 @@ def test_metrics_jsonl_holds_one_record_per_log_step(tmp_path: Path, data: Path)
     assert [rec["step"] for rec in records] == [2, 4]
     for rec in records:
         assert {"step", "time", "train/loss", "train/lr", "straggler/slowest_rank", "val/loss", "val/top1"} <= set(rec)
+    # train/lr is the rate the step used (the scheduler steps at the end of each step), not the next step's
+    assert [rec["train/lr"] for rec in records] == pytest.approx([used_rates(0.1, 3, 4)[s - 1] for s in (2, 4)])
     tb = scalars(run_dir / "tb")
     for rec in records:
         at_step = {tag: v for tag, events in tb.items() for s, v in events if s == rec["step"]}

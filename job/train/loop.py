@@ -134,10 +134,11 @@ def iteration(run: Run) -> End | None:
     if run.watchdog is not None:
         run.watchdog.arm()
     run.stop_vote.start(run.stop.local())
+    lr = parts.optimizer.param_groups[0]["lr"]  # the step's own rate: train_step steps the scheduler at its end
     out = train_step(parts, run.batches, run.plan, state, run.cfg.train, run.stop)
     if run.log.due(state.step) or run.checkpointer.due(state.step):  # the count is saved and logged up to date
         parts.guard.check(state.step, state)
-    run.log.after_step(state.step, out, parts.optimizer.param_groups[0]["lr"])
+    run.log.after_step(state.step, out, lr)
     if run.watchdog is not None:
         # Evaluation and checkpoints take as long as they take; the stop vote is on gloo, which raises on timeout.
         run.watchdog.disarm()

@@ -50,9 +50,9 @@ def step_records(run_dir: Path) -> list[dict[str, float]]:
 
 
 def step_rates(records: list[dict[str, float]]) -> list[float]:
-    """An upper bound of the rate each record's step used. ``train/lr`` is logged after the scheduler stepped, so a
-    record holds the next step's rate and the step used the one before it: the larger of the two, and for the
-    first record (whose predecessor was not logged) the largest rate of the run."""
+    """An upper bound of the rate each record's step used: the larger of its record's ``train/lr`` and the previous
+    record's (for the first record, the run's largest). ``train/lr`` is the step's own rate (job/train/loop.py
+    reads it before the step); it once held the next step's, and the larger of the two is right either way."""
     logged = [record["train/lr"] for record in records]
     previous = [max(logged), *logged[:-1]]
     return [max(a, b) for a, b in zip(previous, logged)]
