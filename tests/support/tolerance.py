@@ -49,24 +49,15 @@ def step_records(run_dir: Path) -> list[dict[str, float]]:
     return sorted(steps, key=lambda r: r["step"])
 
 
-def step_rates(records: list[dict[str, float]]) -> list[float]:
-    """An upper bound of the rate each record's step used: the larger of its record's ``train/lr`` and the previous
-    record's (for the first record, the run's largest). ``train/lr`` is the step's own rate (job/train/loop.py
-    reads it before the step); it once held the next step's, and the larger of the two is right either way."""
-    logged = [record["train/lr"] for record in records]
-    previous = [max(logged), *logged[:-1]]
-    return [max(a, b) for a, b in zip(previous, logged)]
-
-
 def update_path(
     records: list[dict[str, float]], momentum: float, weight_decay: float = 0.0, param_norm: float = 0.0
 ) -> float:
     """An upper bound of the sum over steps of one parameter's update, ``sum_t lr_t * |v_t|``."""
     velocity, path = 0.0, 0.0
-    for record, lr in zip(records, step_rates(records)):
+    for record in records:
         grad = record["train/grad_norm"] + weight_decay * param_norm
         velocity = momentum * velocity + grad
-        path += lr * velocity
+        path += record["train/lr"] * velocity
     return path
 
 
@@ -110,6 +101,5 @@ def adamw_tolerance(runs: list[Path], terms: int, betas: tuple[float, float] = (
     for run in runs:
         records = step_records(run)
         # A skipped (non-finite) step still counts: kappa grows with the step, so this over-estimates.
-        rates = step_rates(records)
-        path = max(path, sum(lr * 2 * rel * adam_kappa(int(r["step"]), betas) for r, lr in zip(records, rates)))
+        path = max(path, sum(r["train/lr"] * 2 * rel * adam_kappa(int(r["step"]), betas) for r in records))
     return 2 * path
