@@ -313,3 +313,12 @@ def test_nested_settings_are_named_down_to_their_leaves() -> None:
         "train.early_stop.metric",
         "train.early_stop.patience",
     ]
+
+
+def test_a_compile_mode_needs_the_inductor_backend() -> None:
+    assert load_config(["--model.compile-backend", "aot_eager"], {}).model.compile_backend == "aot_eager"
+    with pytest.raises(BadInput) as e:
+        load_config(["--model.compile-backend", "aot_eager", "--model.compile-mode", "max-autotune"], {})
+    text = f"{e.value} {e.value.fix}"
+    assert "model.compile_mode='max-autotune'" in text and "model.compile_backend='aot_eager'" in text, text
+    assert "set model.compile_backend inductor" in text, text

@@ -522,7 +522,9 @@ WORKER = textwrap.dedent(
     """
     import os
     from job.cluster.env import detect_env
-    print("DETECTED", repr(detect_env(os.environ)), flush=True)
+    # One file per worker: two workers printing to one pipe can interleave their lines.
+    with open(f"detected-{os.environ['RANK']}", "w") as f:
+        f.write(repr(detect_env(os.environ)))
     """
 )
 
@@ -545,8 +547,8 @@ def test_real_torchrun_workers(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    found = sorted(line.split("DETECTED ", 1)[1] for line in proc.stdout.splitlines() if "DETECTED " in line)
-    assert len(found) == 2, proc.stdout
+    found = [p.read_text() for p in sorted(tmp_path.glob("detected-*"))]
+    assert len(found) == 2, proc.stdout + proc.stderr
     envs = [eval(text, {"DistEnv": DistEnv}) for text in found]
     envs.sort(key=lambda e: e.rank)
     for rank, got in enumerate(envs):

@@ -217,7 +217,9 @@ def test_success_runs_job_train_with_the_train_args(tmp_path: Path) -> None:
         assert seen["argv"] == ["train", "--run.name", "demo", "--train.steps", "3"]
         assert seen["executable"] == sys.executable
         assert seen["env"]["WORLD_SIZE"] == "2" and seen["env"]["TORCHELASTIC_RUN_ID"]
-        assert seen["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        # No restarts: torch's shared store, which the agent holds, so no worker port is picked and released.
+        assert seen["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] is None
+        assert seen["env"]["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert seen["env"]["DDP_JOB_NOTICE_S"] == "7"  # --shutdown-timeout: the agent's SIGKILL after a stop signal
         assert started - 1 <= float(seen["env"][stop.ATTEMPT_START_VAR]) <= time.time()  # train.max_time's zero
 
@@ -308,7 +310,8 @@ def test_workers_killed_before_their_first_step_lost_nothing(tmp_path: Path, che
 def test_elastic_restart_recovers(tmp_path: Path) -> None:
     """--max-restarts 1, real gloo workers, rank 1 crashes once: the restarted group must finish. On torch
     2.14.1 with the rendezvous store shared (torch's default) this failed or hung in some runs even with
-    --standalone; launch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 makes it reliable."""
+    --standalone; launch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set because --max-restarts > 0, makes it
+    reliable."""
     env = _agent_env(tmp_path, "", None)
     agent = AGENT.replace("tests.support.launch_worker", "tests.support.launch_restart_worker")
     argv = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
@@ -319,8 +322,8 @@ def test_elastic_restart_recovers(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert (tmp_path / "crashed-once").exists()  # the first round really failed
     # Two workers share the pipe: their lines can interleave without a newline between them.
-    ok = re.findall(r"RESTART-OK rank=\d round=(\d+) sum=(\d+)", out)
-    assert sorted(ok) == [("1", "16"), ("1", "16")], out
+    ok = re.findall(r"RESTART-OK rank=\d round=(\d+) sum=(\d+) agent_store=(\w+)", out)
+    assert sorted(ok) == [("1", "16", "False"), ("1", "16", "False")], out  # each round its own store
 
 
 def test_the_workers_notice_is_the_agents_shutdown_timeout_or_the_launchers_if_shorter() -> None:

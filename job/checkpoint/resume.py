@@ -46,7 +46,7 @@ MAY_CHANGE = (
     "train.strategy",  # one checkpoint format for ddp and fsdp (job.checkpoint.sharded): same math, other sums
     "fsdp.",
     "train.activation_checkpointing",  # recomputes the same forward: same math, the same state-dict keys
-    "model.compile",  # and model.compile_mode: the same graph run by other kernels, the same state-dict keys
+    "model.compile",  # and its mode and backend: the same graph run by other kernels, the same state-dict keys
 )
 
 # Settings that change the math: a resume with another value is refused (ckpt.allow_config_change allows it).

@@ -199,7 +199,11 @@ class ModelConfig(BaseModel):
     compile: bool = False
     """Wrap the model in torch.compile."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    """torch.compile mode."""
+    """torch.compile mode (inductor's: other backends take none)."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend: inductor generates kernels; aot_eager traces forward and backward (Dynamo and
+    AOTAutograd, where graph breaks and hook or checkpoint conflicts show) and runs them eagerly, with no code
+    generation: a quick check that a model compiles, or a way to tell an inductor bug from a tracing one."""
     sync_bn: bool = False
     """Convert BatchNorm to SyncBatchNorm (batch statistics over all ranks; CUDA only)."""
     norm: Literal["batch", "group"] = "batch"
@@ -207,6 +211,15 @@ class ModelConfig(BaseModel):
     so results do not depend on how the batch is split over ranks)."""
     zero_init_residual: bool = False
     """Zero-initialise the last BN of each residual block (ResNets; Goyal et al. 2017)."""
+
+    @model_validator(mode="after")
+    def _mode_is_inductors(self) -> ModelConfig:
+        if self.compile_mode != "default" and self.compile_backend != "inductor":
+            raise ValueError(
+                f"model.compile_mode={self.compile_mode!r} with model.compile_backend={self.compile_backend!r}: "
+                "the modes are inductor's. Fix: set model.compile_backend inductor, or model.compile_mode default"
+            )
+        return self
 
 
 class OptimConfig(BaseModel):

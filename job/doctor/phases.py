@@ -161,7 +161,7 @@ def local_phase(cfg: JobConfig, env: DistEnv, full: bool, environ: Mapping[str, 
     t0 = time.perf_counter()
     checks, vers = local_checks(cfg, env, full, environ, probes)
     # Rank 0 opens the store itself unless torchrun's agent already serves it (TORCHELASTIC_USE_AGENT_STORE=True;
-    # ddp-job launch turns that off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so elastic restarts work).
+    # ddp-job launch turns that off with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 when workers may restart).
     hosts_store = env.rank == 0 and not (
         env.launcher == "torchrun" and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     )

@@ -42,7 +42,19 @@ TARGET_COMMANDS = ("train", "doctor", "evaluate")  # what the first word after t
 # torch 2.14.1: DynamicRendezvousHandler.next_rendezvous still creates the shared store only once).
 # Measured here on torch 2.14.1, two agents on loopback, one worker crashing once, --max-restarts 2: see
 # tests/test_launch.py's docstring. With sharing disabled, rank 0 of each round starts a fresh store.
-AGENT_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# The price: the agent then names the workers' MASTER_PORT by binding port 0 and closing it
+# (torch.distributed.elastic.utils.distributed.get_free_port), and any process may take the port before
+# rank 0's store binds it ("Address already in use"). A run that cannot restart keeps torch's shared store,
+# which the agent binds and holds, so it has no such window.
+RESTART_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def agent_env_defaults(max_restarts: int) -> dict[str, str]:
+    """Environment defaults for torchrun's agent: an unshared rendezvous store only where workers can restart."""
+    if max_restarts > 0:
+        return dict(RESTART_ENV_DEFAULTS)
+    return {}
+
 
 # Options that choose another program: the command is always ``python -m job train|doctor``.
 _TARGET_OPTIONS = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
@@ -284,7 +296,7 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
         args = build_torchrun_args(argv, module)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-    for name, value in AGENT_ENV_DEFAULTS.items():
+    for name, value in agent_env_defaults(args.max_restarts).items():
         os.environ.setdefault(name, value)
     os.environ.setdefault(stop.ATTEMPT_START_VAR, f"{time.time():.3f}")  # train.max_time counts from here
     args.signals_to_handle = with_stop_signals(args.signals_to_handle)

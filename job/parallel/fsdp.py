@@ -232,7 +232,7 @@ def compile_units(model: nn.Module, cfg: JobConfig, task: Any) -> int:
     """
     units = unit_modules(model, cfg, task)
     for unit in units:
-        unit.forward = torch.compile(unit.forward, mode=cfg.model.compile_mode)
+        unit.forward = torch.compile(unit.forward, backend=cfg.model.compile_backend, mode=cfg.model.compile_mode)
     return len(units)
 
 

@@ -100,7 +100,9 @@ def build_parts(
         model = ddp.wrap_model(TrainingStep(raw_model, task), cfg, rt, settle)  # DDP, or the dp baseline
     train_model = model
     if cfg.model.compile and not units_compiled:
-        train_model = cast(nn.Module, torch.compile(model, mode=cfg.model.compile_mode))
+        train_model = cast(
+            nn.Module, torch.compile(model, backend=cfg.model.compile_backend, mode=cfg.model.compile_mode)
+        )
     optimizer = build_optimizer(raw_model, cfg.optim, plan.lr, device, groups)
     if not cfg.optim.zero:  # a sharded load, under either strategy, needs the state's shape (job.parallel.fsdp)
         fsdp.init_optimizer_state(optimizer)

@@ -21,7 +21,8 @@ def main() -> int:
         dist.all_reduce(t)
     dist.barrier()
     print(
-        f"RESTART-OK rank={dist.get_rank()} round={os.environ['TORCHELASTIC_RESTART_COUNT']} sum={t.item():.0f}",
+        f"RESTART-OK rank={dist.get_rank()} round={os.environ['TORCHELASTIC_RESTART_COUNT']} sum={t.item():.0f}"
+        f" agent_store={os.environ.get('TORCHELASTIC_USE_AGENT_STORE')}",
         flush=True,
     )
     dist.destroy_process_group()

@@ -60,6 +60,7 @@ def main() -> int:
                         "TORCHELASTIC_RUN_ID",
                         "WORLD_SIZE",
                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                        "TORCHELASTIC_USE_AGENT_STORE",
                         "DDP_JOB_NOTICE_S",
                         "DDP_JOB_ATTEMPT_START",
                     )
