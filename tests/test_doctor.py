@@ -14,6 +14,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -329,3 +330,18 @@ def test_rank0_store_port_already_taken() -> None:
         assert (c.status, "Address already in use" in c.detail) == ("FAIL", True), c
     c = check_rendezvous(DistEnv(0, 0, 2, 2, 0, 1, "127.0.0.1", port, "env"), 1.0, hosts_store=True)
     assert c.status == "PASS", c  # released: free again
+
+
+def test_versions_reads_torchvision_from_its_metadata_without_importing_it() -> None:
+    """Every rank's preflight reports the library versions; a task without torchvision (a language model, a
+    Hugging Face model) must not pay about a second per process to import it for a version string."""
+    code = (
+        "import importlib.metadata, json, sys\n"
+        "from job.doctor.checks import versions\n"
+        "v = versions()\n"
+        "print(json.dumps([v['torchvision'], importlib.metadata.version('torchvision'), 'torchvision' in sys.modules]))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    reported, installed, imported = json.loads(r.stdout.strip().splitlines()[-1])
+    assert reported == installed and not imported, (reported, installed, imported)

@@ -2,8 +2,9 @@
 
 Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace; the
 container's command runs as written with the operator's environment; restarts follow restartPolicy.
-Faults: kill -9 of a worker pod, SIGTERM to every pod (node drain, with the image task and the language-model
-task), a worker pod that joins late, a time budget (train.max_time) that ends every attempt.
+Faults: kill -9 of a worker pod (the image task), SIGTERM to every pod (node drain, with the language-model
+task, against an uninterrupted run), a worker pod that joins late, a time budget (train.max_time) that ends
+every attempt.
 """
 
 from __future__ import annotations
@@ -283,31 +284,6 @@ def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
     assert _final_step(sim.log(master.name)) == _steps(sim)
 
 
-def test_node_drain_saves_exits_143_and_resumes(tmp_path: Path) -> None:
-    """SIGTERM to every pod (eviction): the trainers save at the next step boundary, every container
-    exits 143, the operator recreates the pods (new IPs), and they resume from that checkpoint."""
-    docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
-    with ks.Simulation(docs, tmp_path) as sim:
-        sim.start()
-        first = _first_checkpoint(sim)
-        _wait_for(f"checkpoint {first.name}", first.is_dir)
-        old_ips = {n: p.ip for n, p in sim.pods.items()}
-        sim.evict(list(sim.pods))
-        t_drain = time.monotonic()
-        _wait_for("a resume", lambda: _resumed_steps(sim.log("ddp-smoke-master-0")))
-        resume_s = time.monotonic() - t_drain
-        assert sim.wait(TIMEOUT) == "Succeeded"
-    print(f"\nnode drain -> trainers resumed after {resume_s:.1f} s")
-    _print_timeline(sim, t_drain)
-    for name, pod in sim.pods.items():
-        assert pod.exit_codes[0] == 143, (name, pod.exit_codes)
-        assert pod.generation == 1 and pod.ip != old_ips[name]
-    stopped = re.findall(r"saving at step (\d+) and exiting 143", sim.log("ddp-smoke-master-0"))
-    resumed = _resumed_steps(sim.log("ddp-smoke-master-0"))
-    assert stopped and resumed[0] == int(stopped[0]) >= _config(sim)["ckpt"]["every"]
-    assert _final_step(sim.log("ddp-smoke-master-0")) == _steps(sim)
-
-
 def test_time_budget_ends_each_attempt_with_143_and_the_pods_restart(tmp_path: Path) -> None:
     """train.max_time spent at once: each attempt trains one step, saves it, records reason time-budget and
     exits 143; restartPolicy OnFailure restarts the containers in place, which resume, until the run is done. A
@@ -388,10 +364,12 @@ def _uninterrupted(docs: list[dict], workdir: Path) -> tuple[Path, str]:
     return _run_dir(sim), sim.log("ddp-smoke-master-0")
 
 
-def test_language_model_node_drain_resumes_bitwise(tmp_path: Path) -> None:
-    """The language-model task drained after its first checkpoint (SIGTERM to every pod): the pods are
-    recreated, resume from the step every rank stopped at, and end bitwise equal to an uninterrupted run of
-    the same manifests (run beside it, in its own simulation): parameters, optimizer state and validation."""
+def test_node_drain_saves_exits_143_and_resumes_bitwise(tmp_path: Path) -> None:
+    """SIGTERM to every pod (eviction) after the first checkpoint, with the language-model task (dropout and
+    a random window shift: RNG state the checkpoint must carry): the trainers save at the next step boundary,
+    every container exits 143, the operator recreates the pods (new IPs), they resume from the step every rank
+    stopped at, and the run ends bitwise equal to an uninterrupted run of the same manifests (run beside it, in
+    its own simulation): parameters, optimizer state and validation."""
     corpus = lm.make_corpus(tmp_path / "pycorpus")
     ref_docs = _language_model(kv.render(kv.K8S / "overlays" / "cpu-smoke"), tmp_path / "ref", corpus)
     docs = _language_model(kv.render(kv.K8S / "overlays" / "cpu-smoke"), tmp_path / "drained", corpus)
@@ -401,12 +379,20 @@ def test_language_model_node_drain_resumes_bitwise(tmp_path: Path) -> None:
             sim.start()
             first = _first_checkpoint(sim)
             _wait_for(f"checkpoint {first.name}", first.is_dir)
+            old_ips = {n: p.ip for n, p in sim.pods.items()}
             sim.evict(list(sim.pods))
+            t_drain = time.monotonic()
+            _wait_for("a resume", lambda: _resumed_steps(sim.log("ddp-smoke-master-0")))
+            resume_s = time.monotonic() - t_drain
             assert sim.wait(TIMEOUT) == "Succeeded", sim.log("ddp-smoke-master-0")[-4000:]
         ref_dir, ref_log = reference.result(timeout=TIMEOUT)
+    print(f"\nnode drain -> trainers resumed after {resume_s:.1f} s")
+    _print_timeline(sim, t_drain)
     log = sim.log("ddp-smoke-master-0")
-    assert all(p.exit_codes[0] == 143 and p.generation == 1 for p in sim.pods.values()), sim.events
+    for name, pod in sim.pods.items():
+        assert pod.exit_codes[0] == 143 and pod.generation == 1 and pod.ip != old_ips[name], (name, sim.events)
     stopped = [int(s) for s in re.findall(r"saving at step (\d+) and exiting 143", log)]
     assert stopped and _config(sim)["ckpt"]["every"] <= stopped[0] < _steps(sim), stopped
     assert set(_resumed_steps(log + sim.log("ddp-smoke-worker-0"))) == {stopped[0]}
+    assert _final_step(log) == _steps(sim)
     assert_same_end(ref_dir, ref_log, _run_dir(sim), log)

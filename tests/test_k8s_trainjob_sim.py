@@ -2,9 +2,10 @@
 
 Each pod is a network namespace with its own IP, hostname, /etc/hosts, mount and PID namespace, named
 and resolved as JobSet names them; the container runs `ddp-job launch` with exactly the torch plugin's
-environment. One uninterrupted run (2 pods x 2 processes) is the reference: a run suspended in the
-middle (SIGTERM to every pod, as Kueue preemption does) and resumed with new pods, and a run whose pods
-JobSet recreates after a kill -9, must both end with bitwise the same parameters: every resume restarts
+environment. A run suspended in the middle (SIGTERM to every pod, as Kueue preemption does; the
+language-model task) and resumed with new pods must end bitwise where an uninterrupted run of its manifests
+beside it ends, and a run whose pods JobSet recreates after a kill -9 where the module's uninterrupted run
+(2 pods x 2 processes, the image task) ends: every resume restarts
 at a step boundary from a checkpoint holding the model, optimizer, data position and RNG state, and the
 same 4 ranks sum the same gradients in the same order (gloo, DDP's settled bucket layout).
 
@@ -239,37 +240,6 @@ def _suspend_and_time(sim: ts.TrainJobSimulation) -> tuple[int, float, float]:
     return step, to_disk, time.monotonic() - t0
 
 
-def test_suspend_then_resume_loses_nothing(reference: dict, tmp_path: Path) -> None:
-    """cpu-smoke-kueue: created suspended (no pods) until admitted; suspended after the first checkpoint:
-    every pod gets SIGTERM, all ranks stop after the same step, the checkpoint is on disk before the pods
-    are gone, every container exits 143; resumed with new pods and new IPs, the run finishes bitwise
-    equal to the uninterrupted one."""
-    with ts.TrainJobSimulation(_render("cpu-smoke-kueue"), tmp_path) as sim:
-        sim.start()
-        time.sleep(2)  # several controller passes: a suspended TrainJob starts nothing
-        assert sim.condition == ts.SUSPENDED and all(p.thread is None for p in sim.pods.values())
-        sim.resume()  # Kueue admits the workload
-        _wait_for("the first checkpoint", _checkpoint(sim, _config(sim)["ckpt"]["every"]).is_dir)
-        first_ips = {n: p.ip for n, p in sim.pods.items()}
-        step, to_disk, gone = _suspend_and_time(sim)
-        assert sim.condition == ts.SUSPENDED and all(p.exit_codes == [143] for p in sim.pods.values())
-        t_resume = time.monotonic()
-        sim.resume()
-        first = f"step {step + 1}/{_config(sim)['train']['steps']} "
-        to_step = _wait_for(f"step {step + 1} after the resume", lambda: first in sim.log(NODE0))
-        assert sim.wait(TIMEOUT) == ts.COMPLETE
-    print(f"\nsuspend -> checkpoint of step {step} on disk {to_disk:.1f} s, all pods gone {gone:.1f} s")
-    print(f"resume (new pods) -> first step (step {step + 1}) done {to_step:.1f} s")
-    _print_timeline(sim, t_resume)
-    for name, pod in sim.pods.items():
-        assert pod.exit_codes == [143, 0] and pod.generation == 1 and pod.ip != first_ips[name], name
-    # Each of the four ranks resumed once, from the step every rank stopped at.
-    for name in (NODE0, NODE1):
-        assert re.findall(r"resumed from \S+ \(step (\d+)", sim.log(name)) == [str(step)] * 2, name
-    assert step > _config(sim)["ckpt"]["every"], "the suspend should land after the first checkpoint"
-    _assert_same_params(_run_dir(sim), reference["run_dir"])
-
-
 def test_jobset_restart_of_all_pods_resumes(reference: dict, tmp_path: Path) -> None:
     """kill -9 of node 1's pod: it exits 137, its Job fails (backoffLimit 0), JobSet deletes node 0's
     pod too, waits until both are gone and recreates both (restart attempt 1, new IPs); the trainers
@@ -361,11 +331,13 @@ def _uninterrupted(docs: list[dict], workdir: Path) -> tuple[Path, str]:
     return _run_dir(sim), sim.log(NODE0)
 
 
-def test_language_model_suspended_and_resumed_ends_bitwise(tmp_path: Path) -> None:
-    """The language-model task suspended after its first checkpoint, as Kueue preempts (SIGTERM to every pod),
-    and resumed with new pods: every rank resumes from the step all stopped at, and the run ends bitwise equal
-    to an uninterrupted run of the same manifests (run beside it, in its own simulation): parameters,
-    optimizer state and validation."""
+def test_suspend_then_resume_loses_nothing(tmp_path: Path) -> None:
+    """cpu-smoke-kueue with the language-model task (dropout and a random window shift: RNG state the checkpoint
+    must carry): created suspended (no pods) until admitted; suspended after the first checkpoint, as Kueue
+    preempts: every pod gets SIGTERM, all ranks stop after the same step, the checkpoint is on disk before the
+    pods are gone, every container exits 143; resumed with new pods and new IPs, every rank resumes from the
+    step all stopped at, and the run ends bitwise equal to an uninterrupted run of the same manifests (run
+    beside it, in its own simulation): parameters, optimizer state and validation."""
     corpus = lm.make_corpus(tmp_path / "pycorpus")
     ref_docs = _language_model("cpu-smoke", tmp_path / "ref", corpus)
     docs = _language_model("cpu-smoke-kueue", tmp_path / "suspended", corpus)
@@ -373,14 +345,26 @@ def test_language_model_suspended_and_resumed_ends_bitwise(tmp_path: Path) -> No
         reference = pool.submit(_uninterrupted, ref_docs, tmp_path / "ref")
         with ts.TrainJobSimulation(docs, tmp_path / "suspended") as sim:
             sim.start()
+            time.sleep(2)  # several controller passes: a suspended TrainJob starts nothing
+            assert sim.condition == ts.SUSPENDED and all(p.thread is None for p in sim.pods.values())
             sim.resume()  # Kueue admits the workload
             _wait_for("the first checkpoint", _checkpoint(sim, _config(sim)["ckpt"]["every"]).is_dir)
-            step, _, _ = _suspend_and_time(sim)
+            first_ips = {n: p.ip for n, p in sim.pods.items()}
+            step, to_disk, gone = _suspend_and_time(sim)
+            assert sim.condition == ts.SUSPENDED and all(p.exit_codes == [143] for p in sim.pods.values())
+            t_resume = time.monotonic()
             sim.resume()
+            first = f"step {step + 1}/{_config(sim)['train']['steps']} "
+            to_step = _wait_for(f"step {step + 1} after the resume", lambda: first in sim.log(NODE0))
             assert sim.wait(TIMEOUT) == ts.COMPLETE, sim.log(NODE0)[-4000:]
         ref_dir, ref_log = reference.result(timeout=TIMEOUT)
-    assert all(p.exit_codes == [143, 0] and p.generation == 1 for p in sim.pods.values()), sim.events
+    print(f"\nsuspend -> checkpoint of step {step} on disk {to_disk:.1f} s, all pods gone {gone:.1f} s")
+    print(f"resume (new pods) -> first step (step {step + 1}) done {to_step:.1f} s")
+    _print_timeline(sim, t_resume)
+    for name, pod in sim.pods.items():
+        assert pod.exit_codes == [143, 0] and pod.generation == 1 and pod.ip != first_ips[name], (name, sim.events)
     assert _config(sim)["ckpt"]["every"] < step < _config(sim)["train"]["steps"], step
+    # Each of the four ranks resumed once, from the step every rank stopped at.
     for name in (NODE0, NODE1):
         assert re.findall(r"resumed from \S+ \(step (\d+)", sim.log(name)) == [str(step)] * 2, name
     assert_same_end(ref_dir, ref_log, _run_dir(sim), sim.log(NODE0))

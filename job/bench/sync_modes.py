@@ -5,7 +5,11 @@ Per mode and N: seconds per step (median and spread of the per-launch medians ov
 the bytes the busiest process sent and received per step, counted by the kernel on its TCP sockets, and their
 ratio to a ring's ideal ``2(N-1)/N x gradient bytes``. The parameter server runs N trainers plus the server.
 
-    ddp-job bench sync-modes [--quick] [--sizes 2,3,4] [--reps 3] [--model resnet18]
+    ddp-job bench sync-modes [--quick] [--sizes 2,3,4] [--reps 3] [--model resnet18] [--params-dir DIR]
+
+``--params-dir DIR`` keeps every process's final parameters (DIR/<mode>-<N>-rep<R>/params<rank>.pt): both
+modes are synchronous SGD from the same start on the same batches, so they must end with the same parameters
+(up to the order in which the N gradients are summed; tests/test_benchmarks.py checks it).
 """
 
 from __future__ import annotations
@@ -26,13 +30,18 @@ def ring_ideal(n: int, grad_bytes: int) -> float:
     return 2 * (n - 1) / n * grad_bytes
 
 
-def launch(a: argparse.Namespace, mode: str, n: int, tmp: Path) -> list[dict[str, Any]]:
+def launch(a: argparse.Namespace, mode: str, n: int, rep: int, tmp: Path) -> list[dict[str, Any]]:
     """One torchrun launch of the worker; every process's record (``rank<R>.json``)."""
     out = Path(tempfile.mkdtemp(dir=tmp))
+    if a.params_dir is not None:
+        out = a.params_dir / f"{mode}-{n}-rep{rep}"
+        out.mkdir(parents=True)
     nproc = n + 1 if mode == "ps" else n
     worker = ["-m", "job.bench.sync_worker", "--mode", mode, "--model", a.model, "--out", str(out)]
-    worker += ["--image-size", str(a.image_size), "--micro", str(a.micro)]
+    worker += ["--image-size", str(a.image_size), "--micro", str(a.micro), "--lr", str(a.lr)]
     worker += ["--warmup", str(a.warmup), "--steps", str(a.steps), "--bucket-mb", str(a.bucket_mb)]
+    if a.params_dir is not None:
+        worker += ["--save-params"]
     common.run(common.torchrun_cmd(nproc, worker), common.child_env(tmp), a.timeout)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
@@ -74,8 +83,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=None, help="batch per trainer")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=None, help="timed steps per launch")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--params-dir", type=Path, default=None, help="keep every process's final parameters here")
     a = p.parse_args(argv)
     a.sizes = [int(s) for s in (a.sizes or ("2,3" if a.quick else "2,3,4")).split(",")]
     a.reps = a.reps or (1 if a.quick else 3)
@@ -95,7 +106,7 @@ def main(argv: list[str]) -> int:
                 if rep % 2:  # the order alternates per repetition: drift of the machine falls on both modes
                     order.reverse()
                 for mode in order:
-                    runs[mode, n].append(launch(a, mode, n, Path(d)))
+                    runs[mode, n].append(launch(a, mode, n, rep, Path(d)))
     results = {f"{m}/{n}": summary(n, rs) for (m, n), rs in runs.items()}
     rows = []
     for key, s in results.items():

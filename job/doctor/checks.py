@@ -7,6 +7,7 @@ detected environment and a few measured facts (sizes, versions), testable one by
 from __future__ import annotations
 
 import errno
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -40,15 +41,25 @@ class Check:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+def installed_version(dist: str) -> str:
+    """A distribution's installed version, read from its metadata without importing it ("not installed" if
+    absent). Importing torchvision costs a worker about a second (its ops import torch._dynamo), which a task
+    that does not use it should not pay for a version string."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def versions() -> dict[str, str]:
-    """Library versions that must agree on every rank (mixed builds hang or corrupt collectives)."""
+    """Library versions that must agree on every rank (mixed builds hang or corrupt collectives). torch's own
+    string carries its build (+cu130, +cpu); torchvision refuses to load beside a torch of another CUDA build."""
     import torch
-    import torchvision
 
     out = {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
+        "torchvision": installed_version("torchvision"),
         "cuda_runtime": str(torch.version.cuda),
         "nccl": "n/a",
         "cudnn": "n/a",
