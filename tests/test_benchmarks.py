@@ -401,8 +401,8 @@ def _results(out: Path) -> list[dict]:
 def test_gpu_run_dry_run_streams_results_and_ends_within_its_budget(tmp_path):
     """On a CPU, against a simulated GPU machine whose last step hangs: every result reaches results.jsonl as it
     is printed (the hung step's too, while it hangs) and nothing but results does; the hung step is killed at
-    the budget and the script ends within budget + kill grace, leaving three files: the results, the summary
-    and the logs in one archive."""
+    the budget, so every command has ended within budget + kill grace, and the script leaves three files: the
+    results, the summary and the logs in one archive."""
     budget, kill = 40, _script_seconds("KILL_S")
     proc, out, t0 = _dry_run(tmp_path, "crops", budget)
     deadline = t0 + budget

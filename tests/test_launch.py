@@ -4,7 +4,7 @@ and the workers' exit codes mapped to the job's (docs/design.md).
 The integration tests run the real torchrun elastic agent (launch_main in a child process, so signals
 hit only it) with 2 workers of tests/support/launch_worker.py, which exits with a code chosen per rank.
 
-Why launch sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (measured 2026-11-29, torch 2.14.1, this machine,
+Why launch sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where workers may restart (measured 2026-11-29, torch 2.14.1, this machine,
 gloo workers of which rank 1 crashes once after its first all_reduce, --max-restarts 2):
 * two torchrun agents on loopback, c10d rendezvous: shared store (torch's default) 2 of 6 runs failed
   (one exit 1, one hung until killed at 150 s); with the variable 6 of 6 recovered;
@@ -33,6 +33,7 @@ from job.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_OK, EXIT_PREEMPTED, EX
 from job.launchers.torchrun import (
     SHUTDOWN_DEFAULT_S,
     _parser,
+    agent_env_defaults,
     build_torchrun_args,
     map_exit_codes,
     split_argv,
@@ -322,8 +323,19 @@ def test_elastic_restart_recovers(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert (tmp_path / "crashed-once").exists()  # the first round really failed
     # Two workers share the pipe: their lines can interleave without a newline between them.
-    ok = re.findall(r"RESTART-OK rank=\d round=(\d+) sum=(\d+) agent_store=(\w+)", out)
+    ok = re.findall(r"RESTART-OK rank=\d round=(\d+) sum=(\d+) agent_store=(True|False)", out)
     assert sorted(ok) == [("1", "16", "False"), ("1", "16", "False")], out  # each round its own store
+
+
+@pytest.mark.parametrize(
+    ("max_restarts", "nnodes", "unshared"),
+    [(0, "1", False), (0, "2", False), (1, "1", True), (0, "1:2", True), (0, "2:2", False)],
+)
+def test_the_store_is_unshared_only_where_workers_can_restart(max_restarts: int, nnodes: str, unshared: bool) -> None:
+    """Shared, the agent holds the workers' store port; unshared (a restart may follow), rank 0 of each round
+    opens a fresh one at a port the agent picked and released."""
+    got = agent_env_defaults(max_restarts, nnodes)
+    assert got == ({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if unshared else {})
 
 
 def test_the_workers_notice_is_the_agents_shutdown_timeout_or_the_launchers_if_shorter() -> None:

@@ -297,12 +297,13 @@ def test_two_processes_with_zero_and_compile_train_what_one_process_does(text: P
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("nproc", [2])
-def test_causal_lm_resumes_bitwise_after_sigterm(text: Path, tmp_path: Path, nproc: int) -> None:
+def test_causal_lm_resumes_bitwise_after_sigterm(text: Path, tmp_path: Path) -> None:
     """Dropout and the random window shift draw from RNGs the checkpoint and the per-item seeding restore: a run
-    stopped by SIGTERM and resumed ends bitwise where an uninterrupted one does (model, optimizer, schedule).
-    At 4 ranks (2 nodes x 2) the same task is drained and resumed bitwise through the Kubernetes simulations
-    (tests/test_k8s_sim.py, tests/test_k8s_trainjob_sim.py) and Slurm (tests/test_slurm.py)."""
+    of 2 processes with 2 DataLoader workers each, stopped by SIGTERM and resumed, ends bitwise where an
+    uninterrupted one does (model, optimizer, schedule). At 4 ranks (2 nodes x 2) the same task is drained and
+    resumed bitwise through the Kubernetes simulations (tests/test_k8s_sim.py, tests/test_k8s_trainjob_sim.py)
+    and Slurm (tests/test_slurm.py)."""
+    nproc = 2
     out = tmp_path / "runs"
     steps = 12
     args = lm_args(
@@ -329,8 +330,7 @@ def test_causal_lm_resumes_bitwise_after_sigterm(text: Path, tmp_path: Path, npr
         "0",
         dropout=0.1,
     )
-    if nproc == 2:
-        args[args.index("--data.num-workers") + 1] = "2"
+    args[args.index("--data.num-workers") + 1] = "2"
     started: list[Job] = []
     try:
         ref = Job(tmp_path, [], args, nproc=nproc)

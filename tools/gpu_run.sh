@@ -20,8 +20,8 @@
 # Steps 1, 2, 4 and 5 hold the figures asked for; crops (3) runs last, so a tight budget drops it first.
 # Every command runs under a timeout cut to what is left of BUDGET_S, and is skipped when less than MIN_S is
 # left, so every command has ended within BUDGET_S + KILL_S whatever hangs (summary.txt: "NAME rc=RC ended after
-# N s"); what follows (copying the last result lines, the summary, the archive) takes seconds. GPU_RUN_BUDGET_S overrides
-# the budget (tests/test_benchmarks.py dry-runs the script on a CPU with a small one).
+# N s"); after each, its log's follower gets at most FOLLOW_S to copy the last result lines. GPU_RUN_BUDGET_S
+# overrides the budget (tests/test_benchmarks.py dry-runs the script on a CPU with a small one).
 # Python: the project's venv with the CUDA build of torch (.venv, or PYTHON=...), else python3. A GPU image's
 # python3 that holds torch but not the pydantic-settings stack gets it from wheels: tools/gpu_wheels.sh saves
 # them to .whl where PyPI is reachable, and this script installs what it finds there (WHEELS=DIR) into the
@@ -33,6 +33,7 @@ BUDGET_S=420
 BUDGET_S=${GPU_RUN_BUDGET_S:-$BUDGET_S}
 MIN_S=5   # a command needs at least this many seconds of budget, or it is skipped
 KILL_S=5  # SIGKILL this long after a timeout's SIGTERM
+FOLLOW_S=20  # the most a log's follower may take to copy its last result lines after the command ended
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/bench-gpu}
 PY=${PYTHON:-.venv/bin/python}
@@ -92,6 +93,12 @@ run() {
   # The command's end, on the budget's clock; the follower's last copy after it is not the command's time.
   ended=$(( $(date +%s) - start ))
   touch "$log.done"
+  local tenths=0
+  while kill -0 "$follower" 2>/dev/null && (( tenths < FOLLOW_S * 10 )); do
+    sleep 0.1
+    tenths=$(( tenths + 1 ))
+  done
+  kill "$follower" 2>/dev/null
   wait "$follower"
   rm -f "$log.done"
   note "$name rc=$rc ended after $ended s"

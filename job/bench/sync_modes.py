@@ -32,8 +32,9 @@ def ring_ideal(n: int, grad_bytes: int) -> float:
 
 def launch(a: argparse.Namespace, mode: str, n: int, rep: int, tmp: Path) -> list[dict[str, Any]]:
     """One torchrun launch of the worker; every process's record (``rank<R>.json``)."""
-    out = Path(tempfile.mkdtemp(dir=tmp))
-    if a.params_dir is not None:
+    if a.params_dir is None:
+        out = Path(tempfile.mkdtemp(dir=tmp))
+    else:
         out = a.params_dir / f"{mode}-{n}-rep{rep}"
         out.mkdir(parents=True)
     nproc = n + 1 if mode == "ps" else n
@@ -93,6 +94,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     a.image_size = a.image_size or (16 if a.quick else 32)
     a.micro = a.micro or (2 if a.quick else 16)
     a.steps = a.steps or (2 if a.quick else 5)
+    if a.params_dir is not None:
+        a.params_dir = a.params_dir.resolve()  # the workers run from the repository root
+        if a.params_dir.exists() and any(a.params_dir.iterdir()):
+            p.error(f"--params-dir {a.params_dir} is not empty: name a new or empty directory")
     return a
 
 

@@ -201,9 +201,10 @@ class ModelConfig(BaseModel):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     """torch.compile mode (inductor's: other backends take none)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
-    """torch.compile backend: inductor generates kernels; aot_eager traces forward and backward (Dynamo and
-    AOTAutograd, where graph breaks and hook or checkpoint conflicts show) and runs them eagerly, with no code
-    generation: a quick check that a model compiles, or a way to tell an inductor bug from a tracing one."""
+    """torch.compile backend: inductor generates kernels; aot_eager captures forward and backward (Dynamo and
+    AOTAutograd, where graph breaks and hook or checkpoint conflicts show) and runs the captured graphs eagerly,
+    with no code generation: a quick check that a model compiles, or a way to tell an inductor bug from a
+    capture one. eager: Dynamo alone."""
     sync_bn: bool = False
     """Convert BatchNorm to SyncBatchNorm (batch statistics over all ranks; CUDA only)."""
     norm: Literal["batch", "group"] = "batch"

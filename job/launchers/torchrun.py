@@ -44,14 +44,19 @@ TARGET_COMMANDS = ("train", "doctor", "evaluate")  # what the first word after t
 # tests/test_launch.py's docstring. With sharing disabled, rank 0 of each round starts a fresh store.
 # The price: the agent then names the workers' MASTER_PORT by binding port 0 and closing it
 # (torch.distributed.elastic.utils.distributed.get_free_port), and any process may take the port before
-# rank 0's store binds it ("Address already in use"). A run that cannot restart keeps torch's shared store,
-# which the agent binds and holds, so it has no such window.
+# rank 0's store binds it ("Address already in use"). A run whose workers cannot restart keeps torch's shared
+# store, which the agent binds and holds, so it has no such window. Workers restart on --max-restarts > 0,
+# and also, whatever --max-restarts says, when a node joins an elastic run (--nnodes MIN:MAX with MIN < MAX:
+# torch's agent restarts the group on a membership change without counting it as a retry).
 RESTART_ENV_DEFAULTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def agent_env_defaults(max_restarts: int) -> dict[str, str]:
+def agent_env_defaults(max_restarts: int, nnodes: str) -> dict[str, str]:
     """Environment defaults for torchrun's agent: an unshared rendezvous store only where workers can restart."""
-    if max_restarts > 0:
+    from torch.distributed.run import parse_min_max_nnodes
+
+    min_nodes, max_nodes = parse_min_max_nnodes(nnodes)
+    if max_restarts > 0 or min_nodes < max_nodes:
         return dict(RESTART_ENV_DEFAULTS)
     return {}
 
@@ -296,7 +301,7 @@ def launch_main(argv: Sequence[str], module: str = TARGET_MODULE) -> int:
         args = build_torchrun_args(argv, module)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-    for name, value in agent_env_defaults(args.max_restarts).items():
+    for name, value in agent_env_defaults(args.max_restarts, args.nnodes).items():
         os.environ.setdefault(name, value)
     os.environ.setdefault(stop.ATTEMPT_START_VAR, f"{time.time():.3f}")  # train.max_time counts from here
     args.signals_to_handle = with_stop_signals(args.signals_to_handle)
