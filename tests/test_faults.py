@@ -44,6 +44,7 @@ from job.checkpoint import store
 from job.cluster.env import LAUNCHER_VAR_PREFIXES
 
 STEPS = 14  # 64 train images / global batch 16 = 4 steps per epoch: stops below fall mid-epoch
+FOUR_STEPS = 8  # the 4-rank run (global batch 32: 2 steps per epoch)
 
 
 def train_args(data: Path, out: Path, name: str, *extra: str) -> list[str]:
@@ -179,8 +180,8 @@ def jobs():
         job.kill()
 
 
-def final_state(run_dir: Path) -> dict:
-    path = run_dir / f"step-{STEPS:07d}"
+def final_state(run_dir: Path, steps: int = STEPS) -> dict:
+    path = run_dir / f"step-{steps:07d}"
     assert (path / "state.pt").is_file(), f"missing {path}: {sorted(p.name for p in run_dir.iterdir())}"
     return store.read_checkpoint(path)
 
@@ -321,27 +322,29 @@ def test_resumed_four_process_run_is_bitwise_identical_to_an_uninterrupted_one(
     element's offset in its DDP bucket, and float addition of 4 values is not associative (at 2 ranks a+b == b+a
     hides this). So every step of a fresh and of a resumed run must use the same bucket layout; otherwise a
     resumed run's first step uses DDP's initial layout where the uninterrupted run uses its rebuilt one.
-    4 ranks x micro 4 x 2 accumulation steps (no_sync on the first), no DataLoader workers (covered above)."""
+    4 ranks x micro 4 x 2 accumulation steps (no_sync on the first), no DataLoader workers (covered above);
+    FOUR_STEPS steps: the layout is rebuilt after the first, so a few steps after the resume show it."""
     out = tmp_path / "runs"
     args = [*train_args(tiny_data, out, "ref"), "--train.global-batch-size", "32", "--data.num-workers", "0"]
+    args[args.index("--train.steps") + 1] = str(FOUR_STEPS)
     ref = Job(tmp_path, [], args, nproc=4)  # alongside the interrupted attempt: start-ups overlap
     jobs.append(ref)
     args[args.index("ref")] = "chain"
     a1 = Job(tmp_path, [], args, nproc=4)
     jobs.append(a1)
-    a1.wait_for(rf"\[rank 0/4\] INFO step 2/{STEPS} ")
+    a1.wait_for(rf"\[rank 0/4\] INFO step 2/{FOUR_STEPS} ")
     a1.signal(signal.SIGTERM)
     _, m = a1.wait_for(r"stop requested \(signal SIGTERM[^)]*\): saving at step (\d+)")
     assert a1.finish() == 143, a1.tail()
-    assert int(m[1]) < STEPS, "the stop must leave steps for the resumed run"
+    assert int(m[1]) < FOUR_STEPS, "the stop must leave steps for the resumed run"
     a2 = Job(tmp_path, [], args, nproc=4)
     jobs.append(a2)
     a2.wait_for(rf"resumed from .*step-{int(m[1]):07d}")
     assert a2.finish() == 0, a2.tail()
     assert ref.finish() == 0, ref.tail()
-    want, got = final_state(out / "ref"), final_state(out / "chain")
+    want, got = final_state(out / "ref", FOUR_STEPS), final_state(out / "chain", FOUR_STEPS)
     worst = max((want["model"][k].double() - v.double()).abs().max().item() for k, v in got["model"].items())
-    print(f"\n4 ranks, stopped at step {m[1]} of {STEPS} and resumed: largest parameter difference {worst:.3g}")
+    print(f"\n4 ranks, stopped at step {m[1]} of {FOUR_STEPS} and resumed: largest parameter difference {worst:.3g}")
     for key in ("model", "optimizer", "scheduler", "scaler"):
         assert_bitwise_equal(want[key], got[key], key)
     assert want["trainer"] == got["trainer"]
@@ -657,6 +660,43 @@ def test_bad_input_exits_2_naming_the_setting(
     assert "Traceback" not in err
     after = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) if run_dir.exists() else None
     assert after == before, f"the run directory changed: {before} -> {after}"
+
+
+@pytest.mark.parametrize(
+    ("command", "setting", "url"),
+    [
+        (["train", "--run.output-dir"], "run.output_dir", "s3://ckpt/runs"),
+        (["train", "--model.weights"], "model.weights", "gs://bucket/weights.pt"),
+        (["evaluate", "--ckpt.path"], "ckpt.path", "s3://ckpt/runs/default/step-0000002"),
+        (["export", "--checkpoint", "runs", "--out"], "--out", "s3://ckpt/model.safetensors"),
+        (["export", "--out", "model.safetensors", "--checkpoint"], "--checkpoint", "s3://ckpt/runs/default"),
+    ],
+    ids=["output_dir", "weights", "ckpt_path", "export_out", "export_checkpoint"],
+)
+def test_an_object_store_url_where_a_path_is_read_is_exit_2_and_writes_nothing(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    command: list[str],
+    setting: str,
+    url: str,
+) -> None:
+    """Path("s3://ckpt/runs") is "s3:/ckpt/runs": taken as a path, the run would write its checkpoints into a local
+    directory named "s3:", which a pod loses with its disk. Refused before anything is written, naming the setting,
+    the URL and the fix (a mounted bucket or a shared file system)."""
+    from job import cli
+
+    monkeypatch.chdir(tmp_path)
+    for k in [k for k in os.environ if k.startswith("JOB_")]:
+        monkeypatch.delenv(k)
+    try:
+        rc = cli.main([*command, url])
+    except SystemExit as e:  # argparse (export's options) exits itself
+        rc = e.code
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    assert setting in err and url in err and "not a file system path" in err and "shared POSIX file system" in err, err
+    assert list(tmp_path.iterdir()) == [], "nothing is written, no directory named s3: or gs:"
 
 
 def test_bad_input_from_the_console_script_and_traceback_flag(tmp_path: Path) -> None:

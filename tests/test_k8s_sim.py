@@ -146,61 +146,48 @@ def test_operator_env_matches_the_worked_example() -> None:
     }
 
 
-def test_two_pods_train_to_completion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """cpu-smoke as rendered: Master + 1 Worker x 2 processes finish; each pod sees exactly the
-    container env + the operator's env, its own hostname, and resolves the other pod by name."""
-    docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
-    monkeypatch.setenv("DDP_JOB_HOST_ONLY", "1")
-    with ks.Simulation(docs, tmp_path) as sim:
-        sim.start()
-        master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
-        _wait_for("running containers", lambda: master.pid1 is not None and worker.pid1 is not None)
-        # pid1 is known right after the shim's fork; its environment is the container's only after the exec
-        _wait_for(
-            "the worker's container command",
-            lambda: b"ddp-job\x00launch" in Path(f"/proc/{worker.pid1}/cmdline").read_bytes(),
-            60,
-        )
-        env = _environ(worker.pid1)
-        assert {k: env.get(k) for k, _ in ks.operator_env(sim.job, "Worker", 0)} == dict(
-            ks.operator_env(sim.job, "Worker", 0)
-        )
-        assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
-        assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and "LOCAL_RANK" not in env
-        # Nothing of the host's environment leaks in: exactly the image's, the kubelet's HOSTNAME, the
-        # container's env and the operator's (a sentinel set here must not reach the pod either).
-        container = next(c for c in sim.types["Worker"]["template"]["spec"]["containers"] if c["name"] == "pytorch")
-        declared = {
-            *ks.IMAGE_ENV,
-            "HOSTNAME",
-            *(e["name"] for e in container.get("env") or []),
-            *(k for k, _ in ks.operator_env(sim.job, "Worker", 0)),
-        }
-        assert set(env) == declared, sorted(set(env) ^ declared)
-        assert env["HOME"] == next(e["value"] for e in container["env"] if e["name"] == "HOME")
-        # The pod runs the image: its venv's interpreter and the checkout under test at the image's paths.
-        argv = Path(f"/proc/{worker.pid1}/cmdline").read_bytes().split(b"\0")
-        assert argv[:2] == [f"{ks.IMAGE_VENV}/bin/python".encode(), f"{ks.IMAGE_VENV}/bin/ddp-job".encode()], argv
-        imported = subprocess.run(
-            ["nsenter", "-t", str(worker.pid1), "-m", "python", "-c", "import job; print(job.__file__)"],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert imported.stdout.strip() == f"{ks.IMAGE_SRC}/job/__init__.py", imported
-        uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
-        assert uts.stdout.strip() == "ddp-smoke-worker-0"
-        hosts = Path(f"/proc/{worker.pid1}/root/etc/hosts").read_text()  # as the pod sees it
-        assert f"{worker.ip} ddp-smoke-worker-0" in hosts and f"{master.ip} ddp-smoke-master-0" in hosts
-        assert sim.wait(TIMEOUT) == "Succeeded"
-    log_m, log_w = sim.log(master.name), sim.log(worker.name)
-    assert "node 0/2 launcher=torchrun backend=gloo" in log_m and "rank 3/4 local 1/2 node 1/2" in log_w
-    assert "doctor: 0 FAIL" in log_m  # train's quick preflight phase passed across both pods first
-    # The job succeeds when the Master does; cleanPodPolicy Running then stops a worker still in
-    # torchrun's exit barrier, as the operator would.
-    assert _final_step(log_m) == _steps(sim) and master.exit_codes == [0] and len(worker.exit_codes) == 1
-    assert (_run_dir(sim) / f"step-{_steps(sim):07d}").is_dir() and (_run_dir(sim) / "tb").is_dir()
+def _check_pod_environment(sim: ks.Simulation, master: ks.Pod, worker: ks.Pod) -> None:
+    """While the pods run: each sees exactly the container env + the operator's env, its own hostname, and
+    resolves the other pod by name; the worker runs the image's interpreter and the checkout under test."""
+    _wait_for("running containers", lambda: master.pid1 is not None and worker.pid1 is not None)
+    # pid1 is known right after the shim's fork; its environment is the container's only after the exec
+    _wait_for(
+        "the worker's container command",
+        lambda: b"ddp-job\x00launch" in Path(f"/proc/{worker.pid1}/cmdline").read_bytes(),
+        60,
+    )
+    env = _environ(worker.pid1)
+    assert {k: env.get(k) for k, _ in ks.operator_env(sim.job, "Worker", 0)} == dict(
+        ks.operator_env(sim.job, "Worker", 0)
+    )
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "4" and env["PET_NNODES"] == "2"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and "LOCAL_RANK" not in env
+    # Nothing of the host's environment leaks in: exactly the image's, the kubelet's HOSTNAME, the
+    # container's env and the operator's (a sentinel set by the caller must not reach the pod either).
+    container = next(c for c in sim.types["Worker"]["template"]["spec"]["containers"] if c["name"] == "pytorch")
+    declared = {
+        *ks.IMAGE_ENV,
+        "HOSTNAME",
+        *(e["name"] for e in container.get("env") or []),
+        *(k for k, _ in ks.operator_env(sim.job, "Worker", 0)),
+    }
+    assert set(env) == declared, sorted(set(env) ^ declared)
+    assert env["HOME"] == next(e["value"] for e in container["env"] if e["name"] == "HOME")
+    # The pod runs the image: its venv's interpreter and the checkout under test at the image's paths.
+    argv = Path(f"/proc/{worker.pid1}/cmdline").read_bytes().split(b"\0")
+    assert argv[:2] == [f"{ks.IMAGE_VENV}/bin/python".encode(), f"{ks.IMAGE_VENV}/bin/ddp-job".encode()], argv
+    imported = subprocess.run(
+        ["nsenter", "-t", str(worker.pid1), "-m", "python", "-c", "import job; print(job.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert imported.stdout.strip() == f"{ks.IMAGE_SRC}/job/__init__.py", imported
+    uts = subprocess.run(["nsenter", "-t", str(worker.pid1), "-u", "hostname"], capture_output=True, text=True)
+    assert uts.stdout.strip() == "ddp-smoke-worker-0"
+    hosts = Path(f"/proc/{worker.pid1}/root/etc/hosts").read_text()  # as the pod sees it
+    assert f"{worker.ip} ddp-smoke-worker-0" in hosts and f"{master.ip} ddp-smoke-master-0" in hosts
 
 
 def _with_subcommand(docs: list[dict], subcommand: str) -> list[dict]:
@@ -226,8 +213,9 @@ def test_doctor_in_both_pods(tmp_path: Path) -> None:
     master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
     log_m, log_w = sim.log(master.name), sim.log(worker.name)
     assert master.exit_codes == [0], log_m[-4000:]
-    # The worker's agent leaves torchrun's exit barrier with the master's; cleanPodPolicy Running may
-    # still stop it first (see test_two_pods_train_to_completion): a FAIL would have exited 1 or 2.
+    # The worker's agent leaves torchrun's exit barrier with the master's; cleanPodPolicy Running may still stop
+    # it first (the job succeeds when the Master does, and the operator stops what still runs): a FAIL would
+    # have exited 1 or 2.
     assert len(worker.exit_codes) == 1 and worker.exit_codes[0] in (0, 137), (worker.exit_codes, log_w[-4000:])
     assert "FAIL " not in log_m + log_w and "doctor: 0 FAIL" in log_m, log_m[-4000:]
     for line in (
@@ -260,13 +248,18 @@ def test_doctor_in_both_pods(tmp_path: Path) -> None:
     )
 
 
-def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
-    """kill -9 of a worker pod's processes: the container exits 137 and restarts in place
-    (OnFailure, after the kubelet's back-off); the master's trainers lose their peer and restart
-    too; training resumes from the newest checkpoint and finishes."""
+def test_two_pods_train_and_a_killed_worker_pod_restarts_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpu-smoke as rendered, Master + 1 Worker x 2 processes (the pods' environment, names and image checked while
+    they run), then kill -9 of the worker pod's processes: the container exits 137 and restarts in place
+    (OnFailure, after the kubelet's back-off); the master's trainers lose their peer and restart too; training
+    resumes from the newest checkpoint and finishes."""
     docs = kv.render(kv.K8S / "overlays" / "cpu-smoke")
+    monkeypatch.setenv("DDP_JOB_HOST_ONLY", "1")
     with ks.Simulation(docs, tmp_path) as sim:
         sim.start()
+        _check_pod_environment(sim, sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"])
         first = _first_checkpoint(sim)
         _wait_for(f"checkpoint {first.name}", first.is_dir)
         sim.kill("ddp-smoke-worker-0", signal.SIGKILL)
@@ -279,9 +272,13 @@ def test_killed_worker_pod_restarts_and_resumes(tmp_path: Path) -> None:
     _print_timeline(sim, t_kill)
     assert worker.exit_codes[0] == 137 and worker.restarts >= 1 and worker.generation == 0
     assert master.exit_codes[0] != 0 and master.exit_codes[-1] == 0
-    resumed = _resumed_steps(sim.log(master.name))
+    log_m, log_w = sim.log(master.name), sim.log(worker.name)
+    assert "node 0/2 launcher=torchrun backend=gloo" in log_m and "rank 3/4 local 1/2 node 1/2" in log_w
+    assert "doctor: 0 FAIL" in log_m  # train's quick preflight phase passed across both pods first
+    resumed = _resumed_steps(log_m)
     assert resumed and resumed[0] >= _config(sim)["ckpt"]["every"]
-    assert _final_step(sim.log(master.name)) == _steps(sim)
+    assert _final_step(log_m) == _steps(sim)
+    assert (_run_dir(sim) / f"step-{_steps(sim):07d}").is_dir() and (_run_dir(sim) / "tb").is_dir()
 
 
 def test_time_budget_ends_each_attempt_with_143_and_the_pods_restart(tmp_path: Path) -> None:

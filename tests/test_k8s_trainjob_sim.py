@@ -426,8 +426,8 @@ def _wait_pid1(sim: ts.TrainJobSimulation, name: str, marker: bytes) -> int:
 
 SINK = "trainjob status"  # the sink's name in the reporter's log lines
 CKPT_EVERY = 5
-FAULT_STEPS = 80  # with rank 0's 1 s per step, room for four faults and their recoveries at 5 s a report
-FAULT_STEP_S = 1.0  # slower steps, not more of them: the run lasts as long for a fraction of the CPU
+FAULT_STEPS = 40  # with rank 0's 2 s per step, room for four faults and their recoveries at 5 s a report
+FAULT_STEP_S = 2.0  # slower steps, not more of them: the run lasts as long for a fraction of the CPU
 
 
 def _progress_docs(steps: int, step_s: float = RUNWAY["straggler_delay_s"], ckpt_every: int = CKPT_EVERY) -> list[dict]:

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from job.checkpoint import store
+from job.checkpoint import location, store
 from job.checkpoint.sharded import SHARDS
 from job.errors import BadInput, CheckpointLoadError
 
@@ -248,6 +248,14 @@ def _check_out(out: Path, step_dir: Path) -> None:
         )
 
 
+def _file_path(value: str) -> Path:
+    """argparse's type for --checkpoint and --out: argparse names the option, exits 2 and writes nothing."""
+    problem = location.refusal(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddp-job export",
@@ -257,13 +265,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--checkpoint",
-        type=Path,
+        type=_file_path,
         required=True,
         metavar="DIR",
         help="a run directory (its newest checkpoint that verifies) or one step-NNNNNNN/ directory",
     )
     p.add_argument(
-        "--out", type=Path, required=True, metavar="FILE", help="the safetensors file to write (e.g. model.safetensors)"
+        "--out",
+        type=_file_path,
+        required=True,
+        metavar="FILE",
+        help="the safetensors file to write (e.g. model.safetensors)",
     )
     p.add_argument(
         "--ema", action="store_true", help="export the EMA of the weights (ema.enabled) instead of the model"

@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from job.checkpoint.layout import SHARDS
 from job.checkpoint.snapshot import HostStaging
 from job.checkpoint.verified import ITEMS, HashingWriter, VerifyingReader, digests_of
 from job.errors import CheckpointLoadError, CorruptCheckpointError, NonFiniteStateError
@@ -83,8 +84,6 @@ class ShardedEma(Protocol):
     def load_state_dict(self, saved: dict[str, Any] | None) -> None: ...
 
 
-SHARDS = "shards"
-"""The DCP folder inside a step directory."""
 TMP_SUFFIX = ".tmp-shards"
 """The name every rank writes a save's shards under before rank 0 commits it (a ``.tmp-`` name: never loaded)."""
 PARTS = ("model", "optimizer", "ema")

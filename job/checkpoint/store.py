@@ -43,15 +43,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 
 from job.checkpoint.digest import EMPTY_SHA256, Recorder
-from job.checkpoint.sharded import SHARDS, Sharded, read_whole
+from job.checkpoint.layout import ITEMS, SHARDS
 from job.checkpoint.snapshot import HostStaging, to_host
-from job.checkpoint.verified import ITEMS, HashingWriter
 from job.errors import CheckpointLoadError, CheckpointWriteError, NonFiniteStateError
+
+if TYPE_CHECKING:
+    from job.checkpoint.sharded import Sharded
+    from job.checkpoint.verified import HashingWriter
 
 log = logging.getLogger("job")
 
@@ -249,6 +252,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         files: dict[str, Any] = {}
         if (path / MANIFEST).is_file():
             files = json.loads((path / MANIFEST).read_text()).get("files", {})
+        from job.checkpoint.sharded import read_whole  # DCP: not imported where no shards are read (the launcher)
+
         state.update(read_whole(path, files))
     return state
 

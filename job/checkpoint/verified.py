@@ -34,14 +34,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from job.checkpoint.digest import FileDigest, Recorder, sha256_of
+from job.checkpoint.layout import ITEMS
 from job.errors import CorruptShards
 
 METADATA = ".metadata"
-ITEMS = "items.json"
-"""Next to the DCP folder: the sha256 of every stored item, by file inside the folder (``{"__0_0.distcp": {"<offset>":
-[length, sha256]}}``); the manifest lists it with its own size and sha256. A file of its own, read by rank 0 alone on
-a load, so that the manifest every rank reads stays O(files) while the items grow with every saving rank's tensors.
-A checkpoint without it lists the items in its manifest's entries."""
 
 
 class _HashingFileSystem(FileSystem):

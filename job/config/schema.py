@@ -27,6 +27,7 @@ from pydantic_settings import (
 )
 from typing_extensions import TypeAliasType
 
+from job.checkpoint import location
 from job.cluster.stop import SIGNAL_NAMES, STOP_SIGNALS
 from job.usercode import is_import_path
 
@@ -60,6 +61,14 @@ def parse_duration(text: str) -> float:
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
 
 
+def _file_path(value: str) -> str:
+    """``value`` where a file system path is required; a URL is refused (job.checkpoint.location)."""
+    problem = location.refusal(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 duration = TypeAliasType("duration", str)
 """A duration (90s, 30m, 1h30m, 2d or seconds): its own name, so that --help shows it, not {str,None}."""
 
@@ -74,6 +83,13 @@ class RunConfig(BaseModel):
     """Directory that holds run directories (checkpoints, TensorBoard events, resolved config)."""
     seed: int = 0
     """Base seed: model init, data order and augmentation derive from it (per rank where it matters)."""
+
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _output_dir_is_a_path(cls, v: object) -> object:
+        # Before pydantic's conversion: Path("s3://b/p") is "s3:/b/p", a local directory named "s3:".
+        _file_path(str(v))
+        return v
 
     @field_validator("name")
     @classmethod
@@ -212,6 +228,11 @@ class ModelConfig(BaseModel):
     so results do not depend on how the batch is split over ranks)."""
     zero_init_residual: bool = False
     """Zero-initialise the last BN of each residual block (ResNets; Goyal et al. 2017)."""
+
+    @field_validator("weights")
+    @classmethod
+    def _weights_are_not_a_url(cls, v: str) -> str:
+        return _file_path(v)
 
     @model_validator(mode="after")
     def _mode_is_inductors(self) -> ModelConfig:
@@ -396,6 +417,11 @@ class CkptConfig(BaseModel):
     path: str = ""
     """``ddp-job evaluate``: the checkpoint to evaluate (a step-NNNNNNN directory); empty: the newest valid one in
     the run directory. Training ignores it (it resumes from the run directory)."""
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_not_a_url(cls, v: str) -> str:
+        return _file_path(v)
 
     @field_validator("every", mode="before")
     @classmethod
