@@ -19,6 +19,8 @@ from support import ROOT
 from support.ci import require
 from support.cli import base_env, run_cli
 
+from job.bench import memory as memory_bench
+
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -307,6 +309,28 @@ def test_memory_quick_fsdp_holds_half_of_ddp_as_estimated(tmp_path):
     assert fsdp["goal_met"] and fsdp["state_bytes"] <= fsdp["goal_bound_bytes"], fsdp
     assert 0.49 <= fsdp["state_bytes"] / ddp["state_bytes"] <= 0.55, (fsdp, ddp)
     assert out["step_ratio_fsdp_over_ddp"]["2"]["n"] == 1
+    for p in (ddp, fsdp):  # peaks by phase: each its own, none above the run's peak
+        phases = p["phase_peak_bytes"]
+        assert tuple(phases) == memory_bench.PHASES and min(phases.values()) > 0, phases
+        assert max(phases.values()) <= p["peak_rss_bytes"], p
+
+
+def test_a_phase_peak_is_its_own_not_the_run_so_far() -> None:
+    """A phase that allocates 256 MiB and frees it, then one that allocates nothing: the second's peak is the
+    resident set it started from, not the first's peak (the high-water mark is reset as each phase starts)."""
+    from job.bench.memory_worker import phase
+
+    phases: dict = {}
+    size = 256 * 2**20
+    with phase("big", phases):
+        block = b"\x01" * size  # written, so resident
+        del block
+    with phase("small", phases):
+        pass
+    big, small = phases["big"], phases["small"]
+    assert big["reset"] and small["reset"], phases
+    assert big["peak_rss_bytes"] - big["start_rss_bytes"] >= 0.9 * size, phases
+    assert small["peak_rss_bytes"] <= big["peak_rss_bytes"] - 0.9 * size, phases
 
 
 GPU_RUN = ROOT / "tools" / "gpu_run.sh"

@@ -40,6 +40,9 @@ def strategy_args(strategy: str) -> list[str]:
 
 
 MIB = 2**20
+PHASES = ("build", "first_step", "steps", "save")
+"""The phases whose peak each rank records (job/bench/memory_worker.py): the run built (preflight, the process group,
+the model wrapped or sharded, the loaders), its first step, the other timed steps, one checkpoint written."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -98,6 +101,7 @@ def point(ranks: list[dict]) -> dict[str, Any]:
     return {
         "state_bytes": [r["held"]["state"] for r in ranks],
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+        "phases": {name: [r["phases"][name] for r in ranks] for name in PHASES},
         "rss_start_bytes": [r["rss_start_bytes"] for r in ranks],
         "max_memory_allocated": [r.get("max_memory_allocated") for r in ranks],
         "step_s": statistics.median(ranks[0]["step_s"][1:] or ranks[0]["step_s"]),
@@ -165,6 +169,7 @@ def summarize(a: argparse.Namespace, points: dict[tuple[int, str], list[dict[str
     header += ["RSS growth MiB", "goal <= 1.1 ddp/shards + unit", "step median [min-max]"]
     title = f"memory per rank: causal_lm {a.n_layer}x{a.n_embd}, AdamW, micro-batch {a.micro_batch}, {a.steps} steps"
     common.table(title, header, rows)
+    phase_table(points, result)
     ratios = {}
     for nproc in a.nprocs:
         pairs = zip(points[(nproc, "fsdp")], points[(nproc, "ddp")])
@@ -175,6 +180,28 @@ def summarize(a: argparse.Namespace, points: dict[tuple[int, str], list[dict[str
         [[n, common.fmt_ms(r)] for n, r in ratios.items()],
     )
     return {"points": result, "step_ratio_fsdp_over_ddp": ratios}
+
+
+def phase_table(points: dict[tuple[int, str], list[dict[str, Any]]], result: dict[str, Any]) -> None:
+    """Peak memory per rank by phase (job/bench/memory_worker.py's PHASES): per (process count, strategy) the median
+    over repetitions of the largest rank's peak in each phase, into ``result`` and a table."""
+    records = [r for ps in points.values() for p in ps for name in PHASES for r in p["phases"][name]]
+    key = "peak_rss_bytes"
+    if all("max_memory_allocated" in r for r in records):
+        key = "max_memory_allocated"
+    rows = []
+    for (nproc, strategy), ps in points.items():
+        peaks = {name: statistics.median(max(int(r[key]) for r in p["phases"][name]) for p in ps) for name in PHASES}
+        result.setdefault(f"{strategy}-{nproc}", {})["phase_peak_bytes"] = peaks
+        rows.append([nproc, strategy, *(f"{peaks[name] / MIB:.0f}" for name in PHASES)])
+    what = "RSS (VmHWM)"
+    if key == "max_memory_allocated":
+        what = "CUDA max_memory_allocated"
+    own = "each phase's own peak"
+    if not all(r["reset"] for r in records):
+        own = "NOT reset between phases: the peak so far"
+    title = f"peak memory per rank by phase, MiB ({what}; {own}; the largest rank, median of repetitions)"
+    common.table(title, ["procs", "strategy", *PHASES], rows)
 
 
 def main(argv: list[str]) -> int:

@@ -32,8 +32,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from job.checkpoint import location, store
+from job.checkpoint import store
 from job.checkpoint.sharded import SHARDS
+from job.config import location
 from job.errors import BadInput, CheckpointLoadError
 
 log = logging.getLogger("job")

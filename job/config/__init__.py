@@ -1,5 +1,5 @@
-"""The job's configuration: the typed schema (``schema``), how it is loaded (``load``), and the values
-derived from it and the world size (``plan``)."""
+"""The job's configuration: the typed schema (``schema``), how it is loaded (``load``), the values derived from it
+and the world size (``plan``), and what a path to a run directory or checkpoint may be (``location``)."""
 
 from job.config.load import config_to_dict, dump_config, flatten, load_config
 from job.config.schema import (

@@ -27,8 +27,8 @@ from pydantic_settings import (
 )
 from typing_extensions import TypeAliasType
 
-from job.checkpoint import location
 from job.cluster.stop import SIGNAL_NAMES, STOP_SIGNALS
+from job.config import location
 from job.usercode import is_import_path
 
 _SECTION = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -62,7 +62,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
 
 
 def _file_path(value: str) -> str:
-    """``value`` where a file system path is required; a URL is refused (job.checkpoint.location)."""
+    """``value`` where a file system path is required; a URL is refused (job.config.location)."""
     problem = location.refusal(value)
     if problem is not None:
         raise ValueError(problem)
