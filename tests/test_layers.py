@@ -142,3 +142,13 @@ def test_importing_the_trainer_leaves_the_optional_libraries_out() -> None:
     loaded = set(json.loads(r.stdout))
     assert "job.train.run" in loaded
     assert [name for name in OPTIONAL if name in loaded] == []
+
+
+def test_the_launcher_reads_the_checkpoint_store_without_importing_dcp() -> None:
+    """`ddp-job launch` reads the store (the stop contract) in every pod and Slurm step: torch.distributed.checkpoint
+    and DTensor (about half a second of each launcher's start) stay out until a checkpoint's shards are read."""
+    code = "import sys, json, job.launchers.torchrun; print(json.dumps(sorted(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    loaded = set(json.loads(r.stdout))
+    assert {"job.launchers.torchrun", "job.checkpoint.store"} <= loaded
+    assert [m for m in ("torch.distributed.checkpoint", "torch.distributed.tensor") if m in loaded] == []
