@@ -2,8 +2,8 @@
 (``job/bench/memory_worker.py``), a few AdamW steps each, on CPU+gloo (CUDA+NCCL where there is a GPU).
 
 Per run and rank: the state bytes it holds as an optimizer step starts (local storage of parameters, gradients,
-optimizer state), the peak RSS (``ru_maxrss``; CUDA: ``max_memory_allocated``) and the median step time after the
-first step. Beside each, the estimate of job.parallel.memory for the same run. The goal: fsdp's state per rank at
+optimizer state), the peak RSS (CUDA: ``max_memory_allocated``), each phase's own peak (``PHASES``: build, first
+step, steps, save) and the median step time after the first step. Beside each, the estimate of job.parallel.memory for the same run. The goal: fsdp's state per rank at
 most 1.1 x ddp's / shards + one gathered unit (shards: the world size, hsdp's shard degree). Step time is a ratio fsdp / ddp of runs launched one after the
 other at the same process count (their order alternates between repetitions), median and spread over ``--reps``.
 
