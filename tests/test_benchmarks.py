@@ -311,7 +311,7 @@ def test_memory_quick_fsdp_holds_half_of_ddp_as_estimated(tmp_path):
     assert out["step_ratio_fsdp_over_ddp"]["2"]["n"] == 1
     for p in (ddp, fsdp):  # peaks by phase: each its own, none above the run's peak
         phases = p["phase_peak_bytes"]
-        assert tuple(phases) == memory_bench.PHASES and min(phases.values()) > 0, phases
+        assert set(phases) == set(memory_bench.PHASES) and min(phases.values()) > 0, phases
         assert max(phases.values()) <= p["peak_rss_bytes"], p
 
 
