@@ -262,8 +262,8 @@ def test_two_pods_train_and_a_killed_worker_pod_restarts_and_resumes(
         _check_pod_environment(sim, sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"])
         first = _first_checkpoint(sim)
         _wait_for(f"checkpoint {first.name}", first.is_dir)
+        t_kill = time.monotonic()  # before the kill: its exit is recorded after this
         sim.kill("ddp-smoke-worker-0", signal.SIGKILL)
-        t_kill = time.monotonic()
         _wait_for("a resume", lambda: _resumed_steps(sim.log("ddp-smoke-master-0")))
         resume_s = time.monotonic() - t_kill
         assert sim.wait(TIMEOUT) == "Succeeded"
@@ -272,6 +272,10 @@ def test_two_pods_train_and_a_killed_worker_pod_restarts_and_resumes(
     _print_timeline(sim, t_kill)
     assert worker.exit_codes[0] == 137 and worker.restarts >= 1 and worker.generation == 0
     assert master.exit_codes[0] != 0 and master.exit_codes[-1] == 0
+    exits = [(t, pod, what) for t, pod, what in sim.events if what.startswith("exited")]
+    assert exits and exits[0][0] >= t_kill and exits[0][1:] == (worker.name, "exited 137"), (
+        exits
+    )  # nothing failed first
     log_m, log_w = sim.log(master.name), sim.log(worker.name)
     assert "node 0/2 launcher=torchrun backend=gloo" in log_m and "rank 3/4 local 1/2 node 1/2" in log_w
     assert "doctor: 0 FAIL" in log_m  # train's quick preflight phase passed across both pods first

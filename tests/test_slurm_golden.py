@@ -17,6 +17,7 @@ from support.ci import dev_tool
 
 from job.cluster import stop
 from job.cluster.env import slurm_master_port
+from job.config import location
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -77,6 +78,8 @@ SCENARIOS: dict[str, tuple[dict[str, str], list[str]]] = {
     "doctor": ({"DDP_JOB_COMMAND": "doctor", "DDP_JOB_NPROC_PER_NODE": "2"}, ["--config", "configs/x.yaml"]),
     "doctor-no-requeue": ({"DDP_JOB_COMMAND": "doctor", "STUB_SIGNAL": "USR2", "STUB_SRUN_RC": "143"}, []),
     "bad-command": ({"DDP_JOB_COMMAND": "eval"}, []),
+    "url-output-dir": ({"DDP_JOB_OUTPUT_DIR": "s3://ckpt/runs"}, []),
+    "url-run-output-dir": ({}, ["--run.output-dir=gs://ckpt/runs"]),
 }
 
 
@@ -194,6 +197,19 @@ def test_rendezvous_port_formula_is_the_python_one() -> None:
     assert proc.returncode == 0, proc.stderr
     assert [int(p) for p in proc.stdout.split()] == [slurm_master_port(str(i)) for i in ids]
     assert min(slurm_master_port(str(i)) for i in ids) >= 20000 and max(slurm_master_port(str(i)) for i in ids) < 32768
+
+
+def test_url_test_is_the_python_one() -> None:
+    """The script refuses a URL as the run's output directory (exit 2) as job.config.location does, by the same
+    pattern written out again in bash."""
+    m = re.search(r"^is_url\(\) \{.*\}$", SBATCH.read_text(), re.M)
+    assert m, "slurm/train.sbatch defines no one-line is_url() function"
+    values = ["s3://b/p", "gs://b", "S3://B", "https://h/x", "a+b.c-d://x", "./a:b", "a:b", "/abs/x://y", "runs/s3://x"]
+    values += ["s3:/b/p", "3s://b", "c:/x", "", "~/runs", "file:///tmp/x", "://x"]
+    script = m[0] + '\nfor v in "$@"; do if is_url "$v"; then echo 1; else echo 0; fi; done\n'
+    proc = subprocess.run(["bash", "-c", script, "is_url", *values], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(int(location.url_scheme(v) is not None)) for v in values]
 
 
 def test_stop_record_is_read_as_python_writes_it(tmp_path: Path) -> None:

@@ -176,6 +176,25 @@ def test_a_run_directory_flag_without_value_is_refused() -> None:
         assert e.value.setting in ("--run.output-dir", "--run.name", "--run.output_dir")
 
 
+def test_an_object_store_url_as_the_run_directory_is_refused(tmp_path: Path) -> None:
+    """Submit makes the run directory absolute before training sees it (``Path.resolve``): ``s3://b/p`` would become
+    ``$PWD/s3:/b/p``, which training accepts. Refused where submit reads it, in either place, with exit 2."""
+    for args in (["--run.output-dir", "s3://ckpt/runs"], ["--run.output_dir=gs://ckpt/runs"]):
+        with pytest.raises(BadInput, match="is a URL") as e:
+            split_run_dir_args(args)
+        assert e.value.setting == args[0].split("=")[0] and "://ckpt/runs" in str(e.value.value)
+    for option in ("--output-dir", "--log-folder"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "job.launchers.submit", option, "s3://ckpt/x"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and f"argument {option}: 's3://ckpt/x' is a URL" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_train_args_win_over_submits_defaults_and_conflicts_are_refused(tmp_path: Path) -> None:
     parser = build_parser()
     own = parser.parse_args([])

@@ -182,6 +182,14 @@ def summarize(a: argparse.Namespace, points: dict[tuple[int, str], list[dict[str
     return {"points": result, "step_ratio_fsdp_over_ddp": ratios}
 
 
+def growth(record: dict[str, Any], key: str) -> int:
+    """How far a phase's peak rose above where it started (RSS; CUDA: above the allocation at its start, which the
+    phase does not record, so the peak itself)."""
+    if key == "max_memory_allocated":
+        return int(record[key])
+    return int(record["peak_rss_bytes"]) - int(record["start_rss_bytes"])
+
+
 def phase_table(points: dict[tuple[int, str], list[dict[str, Any]]], result: dict[str, Any]) -> None:
     """Peak memory per rank by phase (job/bench/memory_worker.py's PHASES): per (process count, strategy) the median
     over repetitions of the largest rank's peak in each phase, into ``result`` and a table."""
@@ -192,15 +200,16 @@ def phase_table(points: dict[tuple[int, str], list[dict[str, Any]]], result: dic
     rows = []
     for (nproc, strategy), ps in points.items():
         peaks = {name: statistics.median(max(int(r[key]) for r in p["phases"][name]) for p in ps) for name in PHASES}
-        result.setdefault(f"{strategy}-{nproc}", {})["phase_peak_bytes"] = peaks
-        rows.append([nproc, strategy, *(f"{peaks[name] / MIB:.0f}" for name in PHASES)])
+        grew = {name: statistics.median(max(growth(r, key) for r in p["phases"][name]) for p in ps) for name in PHASES}
+        result.setdefault(f"{strategy}-{nproc}", {}).update(phase_peak_bytes=peaks, phase_growth_bytes=grew)
+        rows.append([nproc, strategy, *(f"{peaks[n] / MIB:.0f} (+{grew[n] / MIB:.0f})" for n in PHASES)])
     what = "RSS (VmHWM)"
     if key == "max_memory_allocated":
         what = "CUDA max_memory_allocated"
     own = "each phase's own peak"
     if not all(r["reset"] for r in records):
         own = "NOT reset between phases: the peak so far"
-    title = f"peak memory per rank by phase, MiB ({what}; {own}; the largest rank, median of repetitions)"
+    title = f"peak memory per rank by phase, MiB (+ above its start) ({what}; {own}; largest rank, median of reps)"
     common.table(title, ["procs", "strategy", *PHASES], rows)
 
 

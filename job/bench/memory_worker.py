@@ -11,8 +11,9 @@ the peak RSS of the process and the RSS before the run was built, and on CUDA ``
 
 Peaks by phase (job.bench.memory.PHASES): the high-water mark is reset as each phase starts and read as it ends,
 so each is that phase's own peak, not the run's so far: ``build`` (preflight, the process group, the model built, wrapped or
-sharded, the loaders: ``job.train.run.build_run``), ``first_step``, ``steps`` (the other timed steps) and ``save``
-(one checkpoint, written and committed). RSS: Linux's ``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``
+sharded, the loaders: ``job.train.run.build_run``), ``first_step``, ``steps`` (the other timed steps and
+the untimed one that measures the state) and ``save`` (one checkpoint, written and committed). The run's peak is the
+largest of them (so it includes a save). RSS: Linux's ``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``
 (Linux 4.0, proc(5)); CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``.
 """
 
@@ -130,10 +131,10 @@ def main(argv: list[str]) -> int:
             step_s = steps_of(run, 1)
         with phase("steps", phases):
             step_s += steps_of(run, steps - 1)
+            held = held_before_update(run)  # one more, untimed step: its peak is a step's
         with phase("save", phases):
             run.checkpointer.save(run.state.step)
             run.checkpointer.manager.wait()
-        held = held_before_update(run)
         assert tuple(phases) == PHASES, phases  # what job.bench.memory reads
         facts = {"rank": env.rank, "world_size": env.world_size, "strategy": cfg.train.strategy, "step_s": step_s}
         peak = max([started, *(int(p["peak_rss_bytes"]) for p in phases.values())])

@@ -249,14 +249,6 @@ def _check_out(out: Path, step_dir: Path) -> None:
         )
 
 
-def _file_path(value: str) -> Path:
-    """argparse's type for --checkpoint and --out: argparse names the option, exits 2 and writes nothing."""
-    problem = location.refusal(value)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return Path(value)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddp-job export",
@@ -266,14 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--checkpoint",
-        type=_file_path,
+        type=location.path_argument,
         required=True,
         metavar="DIR",
         help="a run directory (its newest checkpoint that verifies) or one step-NNNNNNN/ directory",
     )
     p.add_argument(
         "--out",
-        type=_file_path,
+        type=location.path_argument,
         required=True,
         metavar="FILE",
         help="the safetensors file to write (e.g. model.safetensors)",

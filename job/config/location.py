@@ -6,14 +6,16 @@ is read, naming the setting, until object storage is a run directory of its own.
 
 from __future__ import annotations
 
+import argparse
 import re
+from pathlib import Path
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 FIX = (
-    "use a local directory or a shared POSIX file system (NFS, Lustre, Amazon EFS or FSx, a ReadWriteMany "
-    "PersistentVolumeClaim); a checkpoint commits by renaming its directory, which bucket mounts such as Mountpoint "
-    "for Amazon S3 do not do, and object storage is not written to directly"
+    "use a local path or one on a shared POSIX file system (NFS, Lustre, Amazon EFS or FSx, a ReadWriteMany "
+    "PersistentVolumeClaim); object storage is not read or written directly, and a checkpoint commits by renaming "
+    "its directory, which bucket mounts such as Mountpoint for Amazon S3 do not do"
 )
 
 
@@ -31,3 +33,12 @@ def refusal(value: str) -> str | None:
     if scheme is None:
         return None
     return f"{value!r} is a URL ({scheme}://), not a file system path; {FIX}"
+
+
+def path_argument(value: str) -> Path:
+    """argparse's ``type`` for an option that names a file system path: a URL is refused there, and argparse names
+    the option and exits 2 before anything is written."""
+    problem = refusal(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(value)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from job.cluster.stop import STOP_SIGNALS
+from job.config import location
 from job.errors import BadInput
 
 DEFAULT_OUTPUT_DIR = Path("runs")
@@ -86,6 +87,9 @@ def split_run_dir_args(train_args: Sequence[str]) -> tuple[list[str], dict[str, 
                 setting=flag,
                 value=value,
             )
+        problem = location.refusal(value)
+        if key == "output_dir" and problem is not None:
+            raise BadInput(f"train argument {flag} {problem}.", setting=flag, value=value)
         given[key] = value
     return rest, given
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import submitit
 
+from job.config import location
 from job.errors import EXIT_FAILURE, EXIT_OK, BadInput, TrainingFailed
 from job.launchers.submit.args import DEFAULT_OUTPUT_DIR, run_argv, run_dir_choice, split_run_dir_args, sweep_runs
 from job.launchers.submit.task import TrainTask
@@ -57,13 +58,13 @@ def _run_directory(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a(
         "--log-folder",
-        type=Path,
+        type=location.path_argument,
         default=Path("logs/submitit"),
         help="submitit folder: logs, pickles (default logs/submitit)",
     )
     a(
         "--output-dir",
-        type=Path,
+        type=location.path_argument,
         default=None,
         help=f"run.output_dir (default: the train argument --run.output-dir, else {DEFAULT_OUTPUT_DIR})",
     )
