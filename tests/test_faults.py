@@ -670,8 +670,9 @@ def test_bad_input_exits_2_naming_the_setting(
         (["evaluate", "--ckpt.path"], "ckpt.path", "s3://ckpt/runs/default/step-0000002"),
         (["export", "--checkpoint", "runs", "--out"], "--out", "s3://ckpt/model.safetensors"),
         (["export", "--out", "model.safetensors", "--checkpoint"], "--checkpoint", "s3://ckpt/runs/default"),
+        (["make-data", "--out"], "--out", "s3://data/shapes"),
     ],
-    ids=["output_dir", "weights", "ckpt_path", "export_out", "export_checkpoint"],
+    ids=["output_dir", "weights", "ckpt_path", "export_out", "export_checkpoint", "make_data"],
 )
 def test_an_object_store_url_where_a_path_is_read_is_exit_2_and_writes_nothing(
     tmp_path: Path,

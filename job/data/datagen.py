@@ -39,6 +39,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, ImageDraw
 
+from job.config import location
 from job.data import shard_format
 from job.errors import BadInput
 
@@ -272,7 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
         "OUT/val/<class>/*, or (--format webdataset) the same PNGs as shards OUT/train-NNNNNN.tar + OUT/train.json, "
         "OUT/val-NNNNNN.tar + OUT/val.json.",
     )
-    p.add_argument("--out", type=Path, required=True, help="directory to create (must not exist, or hold the same set)")
+    p.add_argument(
+        "--out",
+        type=location.path_argument,
+        required=True,
+        help="directory to create (must not exist, or hold the same set)",
+    )
     p.add_argument("--classes", type=int, default=10, help=f"number of classes, 1..{MAX_CLASSES} (default 10)")
     p.add_argument("--per-class", type=int, default=100, help="training images per class (default 100)")
     p.add_argument("--size", type=int, default=32, help="image side in pixels (default 32)")
