@@ -294,8 +294,11 @@ def test_time_budget_ends_each_attempt_with_143_and_the_pods_restart(tmp_path: P
         sim.start()
         assert sim.wait(TIMEOUT) == "Succeeded", sim.log("ddp-smoke-master-0")[-4000:]
     log = sim.log("ddp-smoke-master-0")
-    for name, pod in sim.pods.items():  # restarted in place (OnFailure)
-        assert pod.exit_codes == [143, 0], (name, pod.exit_codes, sim.events)
+    master, worker = sim.pods["ddp-smoke-master-0"], sim.pods["ddp-smoke-worker-0"]
+    assert master.exit_codes == [143, 0], (master.exit_codes, sim.events)  # restarted in place (OnFailure)
+    # The job succeeds when the Master does; cleanPodPolicy Running then stops a worker still in torchrun's exit
+    # barrier (137), as the operator would (test_doctor_in_both_pods): its first attempt must have saved and left.
+    assert worker.exit_codes[0] == 143 and worker.exit_codes[1:] in ([0], [137]), (worker.exit_codes, sim.events)
     stopped = re.findall(r"\[rank 0/\d+\] INFO stop requested \(time budget[^)]*\): saving at step (\d+)", log)
     assert stopped == ["1"], log[-4000:]
     assert "stop save of step 1 (time-budget); exit code 143" in log, log[-4000:]

@@ -187,7 +187,8 @@ def growth(record: dict[str, Any], key: str) -> int:
     phase does not record, so the peak itself)."""
     if key == "max_memory_allocated":
         return int(record[key])
-    return int(record["peak_rss_bytes"]) - int(record["start_rss_bytes"])
+    # The start is read just before the reset: memory freed in between (another thread's) can leave the peak below it.
+    return max(0, int(record["peak_rss_bytes"]) - int(record["start_rss_bytes"]))
 
 
 def phase_table(points: dict[tuple[int, str], list[dict[str, Any]]], result: dict[str, Any]) -> None:
