@@ -87,8 +87,7 @@ def split_run_dir_args(train_args: Sequence[str]) -> tuple[list[str], dict[str, 
                 setting=flag,
                 value=value,
             )
-        problem = location.refusal(value)
-        if key == "output_dir" and problem is not None:
+        if key == "output_dir" and (problem := location.refusal(value)) is not None:
             raise BadInput(f"train argument {flag} {problem}.", setting=flag, value=value)
         given[key] = value
     return rest, given
